@@ -1,0 +1,161 @@
+"""Kafka client factories with the pipeline's delivery guarantees, and a counted, back-pressured publisher.
+
+    publisher = Publisher(settings)
+    publisher.send(topic, key, value)   # blocks when the local buffer is full (backpressure)
+    publisher.close()                   # flushes; raises if anything was not delivered
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from infra.settings import Settings
+from schemas.errors import PipelineError
+
+log = logging.getLogger(__name__)
+
+
+class DeliveryError(PipelineError):
+    """Records the broker did not acknowledge."""
+
+
+def producer_config(settings: Settings, **overrides: Any) -> dict[str, Any]:
+    conf: dict[str, Any] = {
+        "bootstrap.servers": settings.kafka_bootstrap,
+        "enable.idempotence": True,
+        "acks": "all",
+        "linger.ms": 5,
+        "queue.buffering.max.messages": 100_000,
+        "queue.buffering.max.kbytes": 256 * 1024,
+        # Retry for as long as it takes (a broker restart); the publisher surfaces failures.
+        "message.timeout.ms": 300_000,
+        "message.max.bytes": 4 * 1024 * 1024,
+    }
+    conf.update(overrides)
+    return conf
+
+
+def consumer_config(settings: Settings, group: str, **overrides: Any) -> dict[str, Any]:
+    conf: dict[str, Any] = {
+        "bootstrap.servers": settings.kafka_bootstrap,
+        "group.id": group,
+        "enable.auto.commit": False,
+        "auto.offset.reset": "earliest",
+        "enable.partition.eof": False,
+        "fetch.max.bytes": 64 * 1024 * 1024,
+        "max.partition.fetch.bytes": 8 * 1024 * 1024,
+    }
+    conf.update(overrides)
+    return conf
+
+
+def admin(settings: Settings) -> AdminClient:
+    return AdminClient({"bootstrap.servers": settings.kafka_bootstrap})
+
+
+def consumer(settings: Settings, group: str, **overrides: Any) -> Consumer:
+    return Consumer(consumer_config(settings, group, **overrides))
+
+
+@dataclass
+class DeliveryStats:
+    sent: int = 0
+    delivered: int = 0
+    failed: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def pending(self) -> int:
+        return self.sent - self.delivered - self.failed
+
+
+class Publisher:
+    """An idempotent producer whose every record is accounted for by a delivery callback."""
+
+    def __init__(self, settings: Settings, on_delivery: Optional[Callable[[Message], None]] = None,
+                 **overrides: Any) -> None:
+        self._producer = Producer(producer_config(settings, **overrides))
+        self._on_delivery = on_delivery
+        self._lock = threading.Lock()
+        self.stats = DeliveryStats()
+
+    def _delivered(self, err: Optional[KafkaError], msg: Message) -> None:
+        with self._lock:
+            if err is None:
+                self.stats.delivered += 1
+            else:
+                self.stats.failed += 1
+                if len(self.stats.errors) < 100:
+                    self.stats.errors.append(f"{msg.topic()}: {err.str()}")
+        if err is None and self._on_delivery is not None:
+            self._on_delivery(msg)
+
+    def send(self, topic: str, key: Optional[bytes | str], value: bytes,
+             headers: Optional[list[tuple[str, bytes]]] = None, partition: Optional[int] = None) -> None:
+        """Queue one record; when the local buffer is full, wait for deliveries (never drop)."""
+        kwargs: dict[str, Any] = {"key": key, "value": value, "on_delivery": self._delivered}
+        if headers:
+            kwargs["headers"] = headers
+        if partition is not None:
+            kwargs["partition"] = partition
+        while True:
+            try:
+                self._producer.produce(topic, **kwargs)
+                break
+            except BufferError:
+                self._producer.poll(0.05)
+        self.stats.sent += 1
+        self._producer.poll(0)
+
+    def poll(self, timeout: float = 0.0) -> int:
+        return self._producer.poll(timeout)
+
+    def flush(self, timeout: float = 300.0) -> None:
+        """Wait until every queued record is acknowledged or failed; raise on failures."""
+        deadline = time.monotonic() + timeout
+        while self.stats.pending > 0 and time.monotonic() < deadline:
+            self._producer.flush(min(1.0, max(0.0, deadline - time.monotonic())))
+        if self.stats.pending > 0:
+            raise DeliveryError(f"{self.stats.pending} records still unacknowledged after {timeout}s")
+        if self.stats.failed:
+            raise DeliveryError(f"{self.stats.failed} records failed: {self.stats.errors[:3]}")
+
+    def close(self, timeout: float = 300.0) -> None:
+        self.flush(timeout)
+
+
+def consume_all(settings: Settings, topic: str, group: str, idle_s: float = 3.0,
+                max_wait_s: float = 60.0) -> Iterator[Message]:
+    """Every record of `topic` from the beginning until it stays idle for idle_s (tests, tools)."""
+    c = consumer(settings, group)
+    c.subscribe([topic])
+    last = time.monotonic()
+    start = last
+    try:
+        while time.monotonic() - last < idle_s and time.monotonic() - start < max_wait_s:
+            msg = c.poll(0.2)
+            if msg is None:
+                continue
+            if msg.error():
+                raise KafkaException(msg.error())
+            last = time.monotonic()
+            yield msg
+    finally:
+        c.close()
+
+
+def end_offsets(settings: Settings, topic: str, timeout: float = 10.0) -> dict[int, tuple[int, int]]:
+    """(low, high) watermark per partition of `topic`."""
+    c = consumer(settings, "trajpipe-watermarks")
+    try:
+        meta = c.list_topics(topic, timeout=timeout)
+        parts = meta.topics[topic].partitions
+        return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout) for p in parts}
+    finally:
+        c.close()

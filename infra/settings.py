@@ -1,0 +1,87 @@
+"""Connection settings from the environment (credentials never from the repo).
+
+    settings = Settings.from_env()
+    settings.kafka_bootstrap   # "127.0.0.1:39092"
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Mapping, Optional
+
+from schemas.errors import ConfigError
+
+DEFAULT_KAFKA_PORT = 39092
+DEFAULT_MINIO_PORT = 39000
+
+
+def cache_dir(env: Mapping[str, str] = os.environ) -> Path:
+    """Where downloaded servers and local state live: outside the repository."""
+    return Path(env.get("TRAJPIPE_CACHE_DIR") or Path.home() / ".cache" / "trajpipe")
+
+
+def state_credentials(env: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """Credentials the local launcher generated (mode 0600 file in the cache dir), if any."""
+    path = cache_dir(env) / "local" / "minio.env"
+    if not path.exists():
+        return {}
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+@dataclass(frozen=True)
+class Settings:
+    kafka_bootstrap: str
+    s3_endpoint: str
+    s3_access_key: str
+    s3_secret_key: str
+    s3_secure: bool = False
+    bucket: str = "trajpipe"
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Settings":
+        env = os.environ if env is None else env
+        local = state_credentials(env)
+        access = env.get("TRAJPIPE_S3_ACCESS_KEY") or env.get("MINIO_ROOT_USER") or local.get("MINIO_ROOT_USER")
+        secret = env.get("TRAJPIPE_S3_SECRET_KEY") or env.get("MINIO_ROOT_PASSWORD") or local.get("MINIO_ROOT_PASSWORD")
+        if not access or not secret:
+            raise ConfigError(
+                "no object-store credentials: set TRAJPIPE_S3_ACCESS_KEY and TRAJPIPE_S3_SECRET_KEY "
+                "(or MINIO_ROOT_USER/MINIO_ROOT_PASSWORD), or run `python -m infra up` to start a local MinIO"
+            )
+        settings = cls(
+            kafka_bootstrap=env.get("TRAJPIPE_KAFKA_BOOTSTRAP", f"127.0.0.1:{DEFAULT_KAFKA_PORT}"),
+            s3_endpoint=env.get("TRAJPIPE_S3_ENDPOINT", f"127.0.0.1:{DEFAULT_MINIO_PORT}"),
+            s3_access_key=access,
+            s3_secret_key=secret,
+            s3_secure=env.get("TRAJPIPE_S3_SECURE", "0").lower() in ("1", "true", "yes"),
+            bucket=env.get("TRAJPIPE_BUCKET", "trajpipe"),
+        )
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        if "://" in self.s3_endpoint:
+            raise ConfigError(
+                f"TRAJPIPE_S3_ENDPOINT={self.s3_endpoint!r}: give host:port without a scheme; "
+                "set TRAJPIPE_S3_SECURE=1 for https"
+            )
+        if not self.kafka_bootstrap or " " in self.kafka_bootstrap:
+            raise ConfigError(f"TRAJPIPE_KAFKA_BOOTSTRAP={self.kafka_bootstrap!r}: give host:port[,host:port]")
+        if not (3 <= len(self.bucket) <= 63) or not self.bucket.replace("-", "").isalnum() or not self.bucket.islower():
+            raise ConfigError(f"TRAJPIPE_BUCKET={self.bucket!r}: 3-63 lowercase letters, digits or '-'")
+
+    def with_bucket(self, bucket: str) -> "Settings":
+        return replace(self, bucket=bucket)
+
+    def as_env(self) -> dict[str, str]:
+        """The environment a child service needs to reach the same servers."""
+        return {
+            "TRAJPIPE_KAFKA_BOOTSTRAP": self.kafka_bootstrap,
+            "TRAJPIPE_S3_ENDPOINT": self.s3_endpoint,
+            "TRAJPIPE_S3_ACCESS_KEY": self.s3_access_key,
+            "TRAJPIPE_S3_SECRET_KEY": self.s3_secret_key,
+            "TRAJPIPE_S3_SECURE": "1" if self.s3_secure else "0",
+            "TRAJPIPE_BUCKET": self.bucket,
+        }
