@@ -130,21 +130,26 @@ class Publisher:
         self.flush(timeout)
 
 
-def consume_all(settings: Settings, topic: str, group: str, idle_s: float = 3.0,
-                max_wait_s: float = 60.0) -> Iterator[Message]:
-    """Every record of `topic` from the beginning until it stays idle for idle_s (tests, tools)."""
-    c = consumer(settings, group)
-    c.subscribe([topic])
-    last = time.monotonic()
-    start = last
+def read_topic(settings: Settings, topic: str, timeout: float = 60.0) -> Iterator[Message]:
+    """Every record of `topic` from the beginning up to its end at call time (tools, tests, replay)."""
+    ends = end_offsets(settings, topic)
+    todo = {p: hi for p, (lo, hi) in ends.items() if hi > lo}
+    if not todo:
+        return
+    c = consumer(settings, f"trajpipe-reader-{topic}")
+    c.assign([TopicPartition(topic, p, ends[p][0]) for p in todo])
+    deadline = time.monotonic() + timeout
     try:
-        while time.monotonic() - last < idle_s and time.monotonic() - start < max_wait_s:
-            msg = c.poll(0.2)
+        while todo:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{topic}: partitions {sorted(todo)} not read to their end in {timeout}s")
+            msg = c.poll(0.5)
             if msg is None:
                 continue
             if msg.error():
                 raise KafkaException(msg.error())
-            last = time.monotonic()
+            if msg.offset() >= todo.get(msg.partition(), -1) - 1:
+                todo.pop(msg.partition(), None)
             yield msg
     finally:
         c.close()

@@ -1,0 +1,75 @@
+"""Creates every topic of a namespace and the object-store bucket, idempotently."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import ConfigResource, NewTopic
+
+from infra.kafka import admin
+from infra.objectstore import ObjectStore
+from infra.settings import Settings
+from schemas.errors import InfraError
+from schemas.topics import Topics
+
+
+@dataclass
+class BootstrapReport:
+    created: list[str] = field(default_factory=list)
+    existing: list[str] = field(default_factory=list)
+    bucket_created: bool = False
+
+
+def create_topics(settings: Settings, topics: Topics, timeout: float = 30.0) -> BootstrapReport:
+    client = admin(settings)
+    report = BootstrapReport()
+    existing = set(client.list_topics(timeout=timeout).topics)
+    missing = [s for s in topics.specs() if s.name not in existing]
+    report.existing = [s.name for s in topics.specs() if s.name in existing]
+    if missing:
+        futures = client.create_topics(
+            [NewTopic(s.name, num_partitions=s.partitions, replication_factor=1, config=s.config) for s in missing],
+            operation_timeout=timeout, request_timeout=timeout,
+        )
+        for name, fut in futures.items():
+            try:
+                fut.result()
+                report.created.append(name)
+            except KafkaException as exc:
+                if exc.args[0].name() != "TOPIC_ALREADY_EXISTS":
+                    raise InfraError(f"cannot create topic {name}: {exc}") from exc
+                report.existing.append(name)
+    return report
+
+
+def topic_config(settings: Settings, topic: str, timeout: float = 10.0) -> dict[str, str]:
+    client = admin(settings)
+    resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
+    entries = client.describe_configs([resource], request_timeout=timeout)[resource].result()
+    return {k: v.value for k, v in entries.items()}
+
+
+def partition_count(settings: Settings, topic: str, timeout: float = 10.0) -> int:
+    meta = admin(settings).list_topics(topic, timeout=timeout)
+    if topic not in meta.topics or meta.topics[topic].error is not None:
+        raise InfraError(f"topic {topic} does not exist; run `python -m infra bootstrap --ns NAME`")
+    return len(meta.topics[topic].partitions)
+
+
+def delete_topics(settings: Settings, names: list[str], timeout: float = 30.0) -> None:
+    for fut in admin(settings).delete_topics(names, operation_timeout=timeout).values():
+        try:
+            fut.result()
+        except KafkaException as exc:
+            if exc.args[0].name() != "UNKNOWN_TOPIC_OR_PART":
+                raise
+
+
+def bootstrap(settings: Settings, ns: str, partitions: int = 4) -> BootstrapReport:
+    report = create_topics(settings, Topics(ns, partitions))
+    report.bucket_created = ObjectStore(settings).ensure_bucket()
+    return report
+
+
+__all__ = ["BootstrapReport", "bootstrap", "create_topics", "delete_topics", "partition_count",
+           "topic_config"]
