@@ -76,10 +76,10 @@ def read_pid(pid_file: Path) -> Optional[int]:
 class Launcher:
     """Fetches, starts, checks and stops the local Kafka and MinIO servers."""
 
-    def __init__(self, root: Optional[Path] = None, kafka_port: Optional[int] = None,
-                 minio_port: Optional[int] = None) -> None:
+    def __init__(self, root: Optional[Path] = None, state_dir: Optional[Path] = None,
+                 kafka_port: Optional[int] = None, minio_port: Optional[int] = None) -> None:
         self.root = root or cache_dir()
-        self.state = self.root / "local"
+        self.state = state_dir or self.root / "local"
         self.kafka_port = kafka_port or int(os.environ.get("TRAJPIPE_KAFKA_PORT", DEFAULT_KAFKA_PORT))
         self.minio_port = minio_port or int(os.environ.get("TRAJPIPE_MINIO_PORT", DEFAULT_MINIO_PORT))
 
@@ -194,7 +194,7 @@ class Launcher:
         user, password = os.environ.get("MINIO_ROOT_USER"), os.environ.get("MINIO_ROOT_PASSWORD")
         if user and password:
             return {"MINIO_ROOT_USER": user, "MINIO_ROOT_PASSWORD": password}
-        saved = state_credentials()
+        saved = state_credentials(self.state / "minio.env")
         if saved.get("MINIO_ROOT_USER") and saved.get("MINIO_ROOT_PASSWORD"):
             return saved
         creds = {"MINIO_ROOT_USER": "trajpipe-" + secrets.token_hex(4), "MINIO_ROOT_PASSWORD": secrets.token_urlsafe(24)}

@@ -21,9 +21,8 @@ def cache_dir(env: Mapping[str, str] = os.environ) -> Path:
     return Path(env.get("TRAJPIPE_CACHE_DIR") or Path.home() / ".cache" / "trajpipe")
 
 
-def state_credentials(env: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """Credentials the local launcher generated (mode 0600 file in the cache dir), if any."""
-    path = cache_dir(env) / "local" / "minio.env"
+def state_credentials(path: Path) -> dict[str, str]:
+    """Credentials the local launcher generated (mode 0600 file in its state dir), if any."""
     if not path.exists():
         return {}
     pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
@@ -42,7 +41,7 @@ class Settings:
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Settings":
         env = os.environ if env is None else env
-        local = state_credentials(env)
+        local = state_credentials(cache_dir(env) / "local" / "minio.env")
         access = env.get("TRAJPIPE_S3_ACCESS_KEY") or env.get("MINIO_ROOT_USER") or local.get("MINIO_ROOT_USER")
         secret = env.get("TRAJPIPE_S3_SECRET_KEY") or env.get("MINIO_ROOT_PASSWORD") or local.get("MINIO_ROOT_PASSWORD")
         if not access or not secret:

@@ -92,7 +92,7 @@ def _collect_named(node: Any, namespace: str, defs: dict[str, Any]) -> None:
 
 def crc64_fingerprint(expanded: dict[str, Any]) -> bytes:
     canonical = to_parsing_canonical_form(expanded)
-    return bytes.fromhex(fingerprint(canonical, "CRC-64-AVRO"))[::-1]
+    return bytes.fromhex(fingerprint(canonical, "CRC-64-AVRO"))  # already little-endian byte order
 
 
 def load_json(path: Path) -> dict[str, Any]:

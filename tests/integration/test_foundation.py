@@ -1,0 +1,118 @@
+"""Against the real broker and store: event round trips, taps, bootstrap, object store, claim checks."""
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from infra.bootstrap import bootstrap, partition_count, topic_config
+from infra.claims import offload, resolve
+from infra.kafka import Publisher, read_topic
+from infra.objectstore import ObjectStore
+from infra.settings import Settings
+from schemas import codec
+from schemas.errors import ObjectNotFound
+from schemas.examples import example_events
+from schemas.packing import pack_floats, pack_ids
+from schemas.records import PolicyTurn
+from schemas.topics import Topics
+from tests.unit.test_codec import every_record
+
+pytestmark = pytest.mark.integration
+
+
+def test_every_event_type_round_trips_through_kafka_and_a_tap_sees_the_same(stack: Settings, topics: Topics) -> None:
+    events = [e for ep in range(3) for e in example_events(run=topics.ns, episode_id=f"ep-{ep}")]
+    pub = Publisher(stack)
+    for ev in events:
+        pub.send(topics.events, ev.episode_id.encode(), codec.encode(ev))
+    pub.close()
+    assert pub.stats.delivered == len(events) and pub.stats.failed == 0
+
+    first = [codec.decode(m.value()) for m in read_topic(stack, topics.events)]
+    tap = [codec.decode(m.value()) for m in read_topic(stack, topics.events)]
+    key = lambda e: e.event_id  # noqa: E731
+    assert sorted(first, key=key) == sorted(events, key=key)
+    assert sorted(tap, key=key) == sorted(first, key=key)
+    # one partition holds an episode, in order
+    for ep in range(3):
+        seqs = [e.seq for e in first if e.episode_id == f"ep-{ep}"]
+        assert seqs == sorted(seqs) == [0, 1, 2, 3]
+
+
+def test_every_record_type_round_trips_through_kafka(stack: Settings, topics: Topics) -> None:
+    records = every_record()
+    pub = Publisher(stack)
+    for rec in records:
+        pub.send(topics.metrics, None, codec.encode(rec))
+    pub.close()
+    assert [codec.decode(m.value()) for m in read_topic(stack, topics.metrics)] == records
+
+
+def test_consumer_group_tap_reads_independently(stack: Settings, topics: Topics) -> None:
+    from infra.kafka import consumer
+
+    events = example_events(run=topics.ns)
+    pub = Publisher(stack)
+    for ev in events:
+        pub.send(topics.events, ev.episode_id.encode(), codec.encode(ev))
+    pub.close()
+    seen: dict[str, list[str]] = {}
+    for group in (f"{topics.ns}-learner", f"{topics.ns}-monitor"):
+        c = consumer(stack, group)
+        c.subscribe([topics.events])
+        got: list[str] = []
+        for _ in range(100):
+            msg = c.poll(0.5)
+            if msg is not None and not msg.error():
+                got.append(codec.decode(msg.value()).event_id)
+                if len(got) == len(events):
+                    break
+        c.commit(asynchronous=False)
+        c.close()
+        seen[group] = got
+    assert seen[f"{topics.ns}-learner"] == seen[f"{topics.ns}-monitor"] == [e.event_id for e in events]
+
+
+def test_bootstrap_is_idempotent_and_compacts_checkpoints(stack: Settings, ns: str) -> None:
+    first = bootstrap(stack, ns, partitions=3)
+    second = bootstrap(stack, ns, partitions=3)
+    topics = Topics(ns, partitions=3)
+    assert sorted(first.created) == sorted(s.name for s in topics.specs())
+    assert second.created == [] and sorted(second.existing) == sorted(first.created)
+    assert topic_config(stack, topics.checkpoints)["cleanup.policy"] == "compact"
+    assert topic_config(stack, topics.task_stats)["cleanup.policy"] == "compact"
+    assert topic_config(stack, topics.events)["cleanup.policy"] == "delete"
+    assert partition_count(stack, topics.events) == 3
+    assert partition_count(stack, topics.changelog("episodes")) == 3
+
+
+def test_object_store_put_get_list_of_a_multi_mb_object(store: ObjectStore) -> None:
+    prefix = f"test/{uuid.uuid4().hex}/"
+    blob = os.urandom(6 * 1024 * 1024 + 17)
+    digest = store.put_verified(prefix + "big.bin", blob)
+    store.put(prefix + "small.bin", b"x")
+    assert store.get(prefix + "big.bin", sha256=digest) == blob
+    assert store.list(prefix) == [prefix + "big.bin", prefix + "small.bin"]
+    assert store.size(prefix + "big.bin") == len(blob)
+
+
+def test_missing_object_is_a_clear_error(store: ObjectStore) -> None:
+    with pytest.raises(ObjectNotFound) as info:
+        store.get(f"test/{uuid.uuid4().hex}/nope")
+    assert "NoSuchKey" in str(info.value) and store.bucket in str(info.value)
+
+
+def test_large_payload_travels_by_claim_check(stack: Settings, topics: Topics, store: ObjectStore) -> None:
+    ev = example_events(run=topics.ns)[1]
+    big = PolicyTurn(turn=0, obs_text="", obs_tokens=b"", text="x" * 10, tokens=pack_ids(range(100_000)),
+                     logprobs=pack_floats([-0.5] * 100_000), finish_reason="length")
+    ev = ev.__class__(**{**ev.__dict__, "body": big})
+    slim = offload(ev, store, topics.ns, threshold=512 * 1024)
+    assert slim.body.claim is not None and len(codec.encode(slim)) < 2048
+    pub = Publisher(stack)
+    pub.send(topics.events, slim.episode_id.encode(), codec.encode(slim))
+    pub.close()
+    (msg,) = list(read_topic(stack, topics.events))
+    assert resolve(codec.decode(msg.value()), store) == ev

@@ -1,0 +1,67 @@
+"""The local launcher: idempotent up, down leaves nothing behind, clear errors for taken ports."""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from infra.launcher import Launcher, _alive, read_pid
+from schemas.errors import InfraError
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def free_port_pair() -> int:
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+        if port < 65000:
+            with socket.socket() as b:
+                if b.connect_ex(("127.0.0.1", port + 1)) != 0:
+                    return port
+    raise RuntimeError("no free port pair")
+
+
+def processes_using(path: Path) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if str(path) in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+def test_up_twice_is_a_noop_and_down_leaves_no_process(tmp_path: Path) -> None:
+    launcher = Launcher(state_dir=tmp_path / "state", kafka_port=free_port_pair(), minio_port=free_port_pair())
+    try:
+        assert launcher.up() == {"kafka": "started", "minio": "started"}
+        pids = (read_pid(launcher.kafka.pid_file), read_pid(launcher.minio.pid_file))
+        assert all(pids)
+        assert launcher.up() == {"kafka": "already running", "minio": "already running"}
+        assert (read_pid(launcher.kafka.pid_file), read_pid(launcher.minio.pid_file)) == pids
+        status = launcher.status()
+        assert status["kafka"]["ready"] and status["minio"]["ready"]
+        assert status["kafka"]["version"].startswith("4.")
+    finally:
+        assert launcher.down() == {"minio": "stopped", "kafka": "stopped"}
+    assert not any(_alive(p) for p in pids if p)
+    assert processes_using(tmp_path / "state") == []
+    assert launcher.down() == {"minio": "not running", "kafka": "not running"}
+    assert oct(os.stat(tmp_path / "state" / "minio.env").st_mode & 0o777) == "0o600"
+
+
+def test_a_taken_port_is_a_clear_error(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        launcher = Launcher(state_dir=tmp_path / "state", minio_port=port)
+        with pytest.raises(InfraError, match=f"port {port} is taken"):
+            launcher.start_minio()
+    assert read_pid(launcher.minio.pid_file) is None

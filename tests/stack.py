@@ -1,0 +1,52 @@
+"""The real Kafka and MinIO for tests: Testcontainers when a Docker engine answers, the local launcher otherwise."""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+from infra.settings import Settings
+
+
+def docker_engine_answers() -> bool:
+    try:
+        import docker
+
+        docker.from_env(timeout=3).ping()
+        return True
+    except Exception:
+        return False
+
+
+def stack_mode() -> str:
+    """TRAJPIPE_TEST_STACK=containers|launcher forces a path; auto picks containers when Docker answers."""
+    mode = os.environ.get("TRAJPIPE_TEST_STACK", "auto")
+    if mode == "auto":
+        return "containers" if docker_engine_answers() else "launcher"
+    return mode
+
+
+@contextlib.contextmanager
+def containers_stack() -> Iterator[Settings]:
+    from testcontainers.kafka import KafkaContainer
+    from testcontainers.minio import MinioContainer
+
+    with KafkaContainer("confluentinc/cp-kafka:7.7.1").with_kraft() as kafka, MinioContainer() as minio:
+        conf = minio.get_config()
+        yield Settings(kafka_bootstrap=kafka.get_bootstrap_server(), s3_endpoint=conf["endpoint"],
+                       s3_access_key=conf["access_key"], s3_secret_key=conf["secret_key"])
+
+
+@contextlib.contextmanager
+def launcher_stack() -> Iterator[Settings]:
+    from infra.launcher import Launcher
+
+    launcher = Launcher()
+    launcher.up()  # idempotent: reuses servers that .ci/run or a developer already started
+    creds = launcher.minio_credentials()
+    yield Settings(kafka_bootstrap=launcher.kafka.address, s3_endpoint=launcher.minio.address,
+                   s3_access_key=creds["MINIO_ROOT_USER"], s3_secret_key=creds["MINIO_ROOT_PASSWORD"])
+
+
+def real_stack() -> contextlib.AbstractContextManager[Settings]:
+    return containers_stack() if stack_mode() == "containers" else launcher_stack()
