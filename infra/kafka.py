@@ -148,8 +148,9 @@ def read_topic(settings: Settings, topic: str, timeout: float = 60.0) -> Iterato
                 continue
             if msg.error():
                 raise KafkaException(msg.error())
-            if msg.offset() >= todo.get(msg.partition(), -1) - 1:
-                todo.pop(msg.partition(), None)
+            part, offset = msg.partition() or 0, msg.offset() or 0
+            if offset >= todo.get(part, -1) - 1:
+                todo.pop(part, None)
             yield msg
     finally:
         c.close()

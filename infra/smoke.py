@@ -23,7 +23,7 @@ def run_smoke(settings: Settings, ns: str | None = None) -> dict[str, object]:
     for ev in events:
         publisher.send(topics.events, ev.episode_id.encode(), codec.encode(ev))
     publisher.close()
-    back = [codec.decode(m.value()) for m in read_topic(settings, topics.events)]
+    back = [codec.decode(m.value() or b"") for m in read_topic(settings, topics.events)]
     store = ObjectStore(settings)
     payload = uuid.uuid4().bytes * 1024
     digest = store.put_verified(f"smoke/{ns}/object.bin", payload)

@@ -1,0 +1,146 @@
+"""Codec benchmark: a PolicyTurn with 256 tokens as packed bytes vs Avro arrays vs JSON; then through the broker.
+
+    python tests/benchmarks/bench_codec.py [--events 100000]
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import random
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from fastavro import parse_schema, schemaless_reader, schemaless_writer  # noqa: E402
+
+from schemas import codec  # noqa: E402
+from schemas.examples import example_events  # noqa: E402
+from schemas.packing import pack_floats, pack_ids, unpack_floats, unpack_ids  # noqa: E402
+from schemas.records import PolicyTurn, RolloutEvent  # noqa: E402
+
+N_TOKENS = 256
+
+
+def policy_turn_event(rng: random.Random) -> RolloutEvent:
+    ids = [rng.randrange(3, 259) for _ in range(N_TOKENS)]
+    lps = [-rng.random() * 3 for _ in range(N_TOKENS)]
+    base = example_events()[1]
+    body = PolicyTurn(turn=0, obs_text="", obs_tokens=b"", text=bytes(i - 3 for i in ids).decode("latin-1"),
+                      tokens=pack_ids(ids), logprobs=pack_floats(lps), finish_reason="length")
+    return RolloutEvent(**{**base.__dict__, "body": body})
+
+
+def array_schema() -> Any:
+    """The same envelope with token ids and log-probs as Avro arrays (the baseline)."""
+    expanded = json.loads(json.dumps(codec.entry(RolloutEvent).expanded))
+    for branch in expanded["fields"][-1]["type"]:
+        if branch["name"] in ("PolicyTurn", "trajpipe.PolicyTurn"):
+            for f in branch["fields"]:
+                if f["name"] in ("tokens", "obs_tokens"):
+                    f["type"] = {"type": "array", "items": "int"}
+                elif f["name"] == "logprobs":
+                    f["type"] = {"type": "array", "items": "float"}
+    return parse_schema(expanded)
+
+
+def as_arrays(ev: RolloutEvent) -> dict[str, Any]:
+    body = dict(ev.body.__dict__)
+    body.update(tokens=unpack_ids(body["tokens"]), obs_tokens=[], logprobs=unpack_floats(body["logprobs"]))
+    return {**ev.__dict__, "body": ("trajpipe.PolicyTurn", body)}
+
+
+def as_json(ev: RolloutEvent) -> bytes:
+    body = dict(ev.body.__dict__)
+    body.update(tokens=unpack_ids(body["tokens"]), obs_tokens=[], logprobs=unpack_floats(body["logprobs"]))
+    return json.dumps({**ev.__dict__, "body": body}).encode()
+
+
+def rate(fn: Callable[[], Any], n: int) -> float:
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return n / (time.perf_counter() - start)
+
+
+def bench_formats(n: int) -> None:
+    ev = policy_turn_event(random.Random(0))
+    schema = array_schema()
+
+    def arr_encode() -> bytes:
+        buf = io.BytesIO()
+        schemaless_writer(buf, schema, as_arrays(ev))
+        return buf.getvalue()
+
+    arr_bytes = arr_encode()
+    ours = codec.encode(ev)
+    js = as_json(ev)
+    rows = [
+        ("codec (packed bytes)", len(ours), rate(lambda: codec.encode(ev), n), rate(lambda: codec.decode(ours), n)),
+        ("avro arrays", len(arr_bytes), rate(arr_encode, n),
+         rate(lambda: schemaless_reader(io.BytesIO(arr_bytes), schema, return_record_name=True), n)),
+        ("json", len(js), rate(lambda: as_json(ev), n), rate(lambda: json.loads(js), n)),
+    ]
+    print(f"PolicyTurn event with {N_TOKENS} generated tokens, {n} records each")
+    print(f"{'format':<22}{'bytes/record':>14}{'encode rec/s':>16}{'decode rec/s':>16}")
+    for name, size, enc, dec in rows:
+        print(f"{name:<22}{size:>14}{enc:>16,.0f}{dec:>16,.0f}")
+    print(f"codec vs avro arrays: encode x{rows[0][2] / rows[1][2]:.1f}, decode x{rows[0][3] / rows[1][3]:.1f}, "
+          f"bytes x{rows[0][1] / rows[1][1]:.2f} (fixed 4-byte ids vs varints)")
+
+
+def bench_broker(n: int) -> None:
+    from infra.bootstrap import bootstrap
+    from infra.kafka import Publisher, consumer
+    from infra.launcher import Launcher
+    from infra.settings import Settings
+
+    launcher = Launcher()
+    launcher.up()
+    creds = launcher.minio_credentials()
+    settings = Settings(launcher.kafka.address, launcher.minio.address, creds["MINIO_ROOT_USER"],
+                        creds["MINIO_ROOT_PASSWORD"])
+    ns = f"bench-{uuid.uuid4().hex[:8]}"
+    bootstrap(settings, ns)
+    topic = f"{ns}.rollout.events"
+    rng = random.Random(1)
+    events = [codec.encode(policy_turn_event(rng)) for _ in range(200)]
+    pub = Publisher(settings)
+    start = time.perf_counter()
+    for i in range(n):
+        pub.send(topic, f"ep-{i % 512}".encode(), events[i % len(events)])
+    pub.close()
+    produce_s = time.perf_counter() - start
+    c = consumer(settings, f"{ns}-bench")
+    c.subscribe([topic])
+    got, nbytes = 0, 0
+    start = time.perf_counter()
+    while got < n:
+        for msg in c.consume(1000, 1.0):
+            if not msg.error():
+                codec.decode(msg.value())
+                got += 1
+                nbytes += len(msg.value())
+    consume_s = time.perf_counter() - start
+    c.close()
+    mb = nbytes / 1e6
+    print(f"\nreal broker, {n} encoded PolicyTurn events ({nbytes / n:.0f} B each), idempotent producer, acks=all")
+    print(f"produce (delivery confirmed): {n / produce_s:,.0f} events/s, {mb / produce_s:.1f} MB/s")
+    print(f"consume + decode:             {n / consume_s:,.0f} events/s, {mb / consume_s:.1f} MB/s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--records", type=int, default=20_000)
+    parser.add_argument("--events", type=int, default=100_000)
+    args = parser.parse_args()
+    bench_formats(args.records)
+    bench_broker(args.events)
+
+
+if __name__ == "__main__":
+    main()
