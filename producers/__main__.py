@@ -1,0 +1,6 @@
+"""`python -m producers`: run a rollout worker."""
+import sys
+
+from producers.worker import main
+
+sys.exit(main())

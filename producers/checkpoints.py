@@ -1,0 +1,119 @@
+"""Follows <ns>.policy.checkpoints: downloads each new checkpoint, verifies every sha256, hands it to the worker.
+
+    follower = CheckpointFollower(settings, topics, store)
+    follower.start()                        # background thread: consume, download, verify
+    ready = follower.take_ready()           # a verified checkpoint newer than the last taken, or None
+    backend.load_weights(ready.weights, ready.version)
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from confluent_kafka import TopicPartition
+
+from infra.kafka import consumer
+from infra.objectstore import ObjectStore
+from infra.settings import Settings
+from schemas.codec import codec
+from schemas.errors import CheckpointError, DecodeError, IntegrityError, ManifestError, ObjectStoreError
+from schemas.manifests import CheckpointManifest
+from schemas.packing import sha256_hex
+from schemas.records import CheckpointPublished
+from schemas.topics import Topics
+
+log = logging.getLogger(__name__)
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class VerifiedCheckpoint:
+    version: int
+    weights: dict[str, Any]  # tensor name -> tensor, loaded from verified safetensors bytes
+    event: CheckpointPublished
+
+
+def fetch_verified(store: ObjectStore, event: CheckpointPublished) -> VerifiedCheckpoint:
+    """Download and verify a checkpoint; CheckpointError says what did not verify."""
+    from safetensors.torch import load as load_safetensors
+
+    try:
+        manifest_bytes = store.get(event.manifest_key)
+        if sha256_hex(manifest_bytes) != event.manifest_sha256:
+            raise IntegrityError(f"manifest {event.manifest_key} sha256 differs from the published one")
+        manifest = CheckpointManifest.from_json(manifest_bytes)
+        entry = manifest.files.get(WEIGHTS_FILE)
+        if entry is None:
+            raise ManifestError(f"manifest of v{event.version} lists no {WEIGHTS_FILE}")
+        data = store.get(event.prefix + WEIGHTS_FILE, sha256=entry.sha256)
+    except (IntegrityError, ManifestError, ObjectStoreError) as exc:
+        raise CheckpointError(f"checkpoint v{event.version} refused: {exc}") from exc
+    return VerifiedCheckpoint(event.version, load_safetensors(data), event)
+
+
+class CheckpointFollower:
+    """Keeps the newest published version known and the newest verified checkpoint ready to load."""
+
+    def __init__(self, settings: Settings, topics: Topics, store: ObjectStore, run: Optional[str] = None) -> None:
+        self.settings, self.topics, self.store = settings, topics, store
+        self.run = run or topics.ns
+        self.latest_published = 0
+        self.latest_announced = 0
+        self.refused: list[str] = []
+        self._ready: Optional[VerifiedCheckpoint] = None
+        self._taken = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="checkpoint-follower", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def take_ready(self) -> Optional[VerifiedCheckpoint]:
+        with self._lock:
+            ready, self._ready = self._ready, None
+            if ready is not None:
+                self._taken = ready.version
+            return ready
+
+    def _loop(self) -> None:
+        c = consumer(self.settings, f"{self.topics.ns}-follower-{uuid.uuid4().hex[:8]}")
+        c.assign([TopicPartition(self.topics.checkpoints, 0, 0)])  # compacted: replay it all from the start
+        try:
+            while not self._stop.is_set():
+                msg = c.poll(0.5)
+                if msg is not None and not msg.error():
+                    self.handle(msg.value() or b"")
+        finally:
+            c.close()
+
+    def handle(self, value: bytes) -> None:
+        try:
+            event = codec.decode(value, expect=CheckpointPublished)
+        except DecodeError as exc:
+            self._refuse(f"undecodable checkpoint announcement: {exc}")
+            return
+        if event.run != self.run or event.version <= max(self._taken, self._ready.version if self._ready else 0):
+            return
+        self.latest_announced = max(self.latest_announced, event.version)
+        try:
+            verified = fetch_verified(self.store, event)
+        except CheckpointError as exc:
+            self._refuse(str(exc))
+            return
+        with self._lock:
+            self._ready = verified
+            # Lag is measured against verified versions: a refused one must not pause the fleet forever.
+            self.latest_published = max(self.latest_published, event.version)
+        log.info("checkpoint v%d verified and ready", event.version)
+
+    def _refuse(self, reason: str) -> None:
+        self.refused.append(reason)
+        log.error("%s", reason)

@@ -1,0 +1,47 @@
+"""Follows the compacted <ns>.task.stats feed into the task mixer's curriculum statistics."""
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import MutableMapping
+
+from confluent_kafka import TopicPartition
+
+from infra.kafka import consumer
+from infra.settings import Settings
+from schemas.codec import codec
+from schemas.errors import DecodeError
+from schemas.records import TaskStats
+from schemas.topics import Topics
+
+
+class TaskStatsFollower:
+    """A daemon thread that keeps stats[task_id] = (attempts, passes) up to date."""
+
+    def __init__(self, settings: Settings, topics: Topics, stats: MutableMapping[str, tuple[int, int]]) -> None:
+        self.settings, self.topics, self.stats = settings, topics, stats
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="task-stats", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        c = consumer(self.settings, f"{self.topics.ns}-taskstats-{uuid.uuid4().hex[:8]}")
+        c.assign([TopicPartition(self.topics.task_stats, 0, 0)])
+        try:
+            while not self._stop.is_set():
+                msg = c.poll(0.5)
+                if msg is None or msg.error():
+                    continue
+                try:
+                    s = codec.decode(msg.value() or b"", expect=TaskStats)
+                except DecodeError:
+                    continue  # the feed only steers sampling; a bad record costs nothing
+                self.stats[s.task_id] = (s.attempts, s.passes)
+        finally:
+            c.close()

@@ -1,0 +1,102 @@
+"""Settings of a rollout worker, from the command line; invalid combinations are refused with the fix."""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from dataclasses import dataclass, field
+
+from schemas.errors import ConfigError
+from schemas.topics import Topics
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    ns: str
+    producer_id: str
+    backend: str = "transformers"
+    model_dir: str | None = None
+    sources: tuple[str, ...] = ("math-easy",)
+    weights: dict[str, float] = field(default_factory=dict)
+    group_size: int = 4
+    prompts_per_step: int = 4
+    max_turns: int = 2
+    temperature: float = 1.0
+    max_new_tokens: int = 48
+    max_policy_lag: int = 2
+    sandbox: str | None = None
+    sandbox_workers: int = 2
+    episodes: int | None = None  # stop after this many episodes (None: run until SIGTERM)
+    seed: int = 0
+    follow_checkpoints: bool = True
+    curriculum_min_attempts: int = 0  # 0: no curriculum
+
+    def __post_init__(self) -> None:
+        Topics(self.ns)  # validates the namespace
+        checks = [
+            (self.group_size >= 1, f"--group-size must be >= 1, got {self.group_size}"),
+            (self.prompts_per_step >= 1, f"--prompts-per-step must be >= 1, got {self.prompts_per_step}"),
+            (self.max_turns >= 1, f"--max-turns must be >= 1, got {self.max_turns}"),
+            (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
+            (self.max_policy_lag >= 0, f"--max-policy-lag must be >= 0, got {self.max_policy_lag}"),
+            (self.sandbox_workers >= 1, f"--sandbox-workers must be >= 1, got {self.sandbox_workers}"),
+            (self.temperature > 0, "--temperature must be > 0 for RL: a greedy policy gives a group no variance"),
+            (self.episodes is None or self.episodes >= 1, "--episodes must be >= 1 (or omit it to run forever)"),
+            (self.backend != "vllm" or self.model_dir is not None, "--backend vllm needs --model-dir DIR"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+    @property
+    def topics(self) -> Topics:
+        return Topics(self.ns)
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """'code=1,math=2' -> {'code': 1.0, 'math': 2.0}."""
+    out: dict[str, float] = {}
+    for part in filter(None, text.split(",")):
+        name, _, value = part.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise ConfigError(f"--weights {text!r}: write NAME=NUMBER[,NAME=NUMBER]") from None
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m producers", description="A rollout worker: tasks -> policy -> sandbox -> events.")
+    p.add_argument("--ns", default=os.environ.get("TRAJPIPE_NS"), help="run namespace (topics <ns>.*)")
+    p.add_argument("--producer-id", default=f"{socket.gethostname()}-{os.getpid()}")
+    p.add_argument("--backend", default="transformers", choices=["transformers", "vllm"])
+    p.add_argument("--model-dir", default=None, help="a local Hugging Face checkpoint dir (default: the small model)")
+    p.add_argument("--sources", default="math-easy", help="comma-separated: humaneval, math, math-easy, table")
+    p.add_argument("--weights", default="", help="sampling weights per source or domain, e.g. code=1,math=3")
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--prompts-per-step", type=int, default=4)
+    p.add_argument("--max-turns", type=int, default=2)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--max-policy-lag", type=int, default=2)
+    p.add_argument("--sandbox", default=None, help="docker | bwrap | subprocess (default: the best available)")
+    p.add_argument("--sandbox-workers", type=int, default=2)
+    p.add_argument("--episodes", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-follow", action="store_true", help="do not hot-load published checkpoints")
+    p.add_argument("--curriculum", type=int, default=0, help="skip tasks always/never solved after N attempts")
+    return p
+
+
+def from_args(argv: list[str] | None = None) -> WorkerSettings:
+    args = parser().parse_args(argv)
+    if not args.ns:
+        raise ConfigError("--ns is required (or set TRAJPIPE_NS)")
+    return WorkerSettings(
+        ns=args.ns, producer_id=args.producer_id, backend=args.backend, model_dir=args.model_dir,
+        sources=tuple(s.strip() for s in args.sources.split(",") if s.strip()), weights=parse_weights(args.weights),
+        group_size=args.group_size, prompts_per_step=args.prompts_per_step, max_turns=args.max_turns,
+        temperature=args.temperature, max_new_tokens=args.max_new_tokens, max_policy_lag=args.max_policy_lag,
+        sandbox=args.sandbox, sandbox_workers=args.sandbox_workers, episodes=args.episodes, seed=args.seed,
+        follow_checkpoints=not args.no_follow, curriculum_min_attempts=args.curriculum,
+    )
