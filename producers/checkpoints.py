@@ -64,7 +64,7 @@ class CheckpointFollower:
         self.latest_announced = 0
         self.refused: list[str] = []
         self._ready: Optional[VerifiedCheckpoint] = None
-        self._taken = 0
+        self._taken = -1  # no checkpoint taken yet: even v0 (the learner's initial weights) is news
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="checkpoint-follower", daemon=True)
@@ -100,7 +100,7 @@ class CheckpointFollower:
         except DecodeError as exc:
             self._refuse(f"undecodable checkpoint announcement: {exc}")
             return
-        if event.run != self.run or event.version <= max(self._taken, self._ready.version if self._ready else 0):
+        if event.run != self.run or event.version <= max(self._taken, self._ready.version if self._ready else -1):
             return
         self.latest_announced = max(self.latest_announced, event.version)
         try:

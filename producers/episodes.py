@@ -48,6 +48,7 @@ class StepSummary:
     statuses: dict[str, int] = field(default_factory=dict)
     generate_s: float = 0.0
     sandbox_s: float = 0.0
+    skipped_too_long: int = 0
 
 
 def solution_code(task: Task, completion: str) -> str:
@@ -66,7 +67,7 @@ class EpisodeRunner:
 
     def __init__(self, backend: PolicyBackend, code_runner: CodeRunner, emit: Callable[[RolloutEvent], None],
                  settings: WorkerSettings, should_stop: Callable[[], bool] = lambda: False,
-                 max_context: int = 1024) -> None:
+                 max_context: int = 2048) -> None:
         self.backend, self.code_runner, self.emit = backend, code_runner, emit
         self.settings, self.should_stop, self.max_context = settings, should_stop, max_context
 
@@ -85,11 +86,14 @@ class EpisodeRunner:
         self._event(ep, EpisodeEnded(status=status, num_turns=ep.turn, detail=detail))
 
     # ---- the step ------------------------------------------------------------------------------
-    def start(self, tasks: Sequence[Task]) -> list[Episode]:
+    def start(self, tasks: Sequence[Task], summary: StepSummary) -> list[Episode]:
         episodes = []
         for task in tasks:
             group_id = "grp-" + new_event_id()
             prompt = self.backend.tokenizer.encode(task.prompt)
+            if len(prompt) + self.settings.max_new_tokens > self.max_context:
+                summary.skipped_too_long += 1  # never started: no episode, nothing to account for
+                continue
             for _ in range(self.settings.group_size):
                 ep = Episode(task, "ep-" + new_event_id(), group_id, list(prompt))
                 self._event(ep, EpisodeStarted(
@@ -137,7 +141,9 @@ class EpisodeRunner:
 
     def run_step(self, tasks: Sequence[Task]) -> StepSummary:
         summary = StepSummary()
-        episodes = self.start(tasks)
+        episodes = self.start(tasks, summary)
+        if not episodes:
+            return summary
         live = list(episodes)
         obs: dict[str, tuple[str, list[int]]] = {}
         first = True

@@ -30,6 +30,8 @@ class WorkerSettings:
     seed: int = 0
     follow_checkpoints: bool = True
     curriculum_min_attempts: int = 0  # 0: no curriculum
+    layers: int = 4  # size of the small model when no --model-dir is given
+    width: int = 256
 
     def __post_init__(self) -> None:
         Topics(self.ns)  # validates the namespace
@@ -85,6 +87,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-follow", action="store_true", help="do not hot-load published checkpoints")
     p.add_argument("--curriculum", type=int, default=0, help="skip tasks always/never solved after N attempts")
+    p.add_argument("--layers", type=int, default=4, help="layers of the small model (without --model-dir)")
+    p.add_argument("--width", type=int, default=256, help="width of the small model (without --model-dir)")
     return p
 
 
@@ -99,4 +103,5 @@ def from_args(argv: list[str] | None = None) -> WorkerSettings:
         temperature=args.temperature, max_new_tokens=args.max_new_tokens, max_policy_lag=args.max_policy_lag,
         sandbox=args.sandbox, sandbox_workers=args.sandbox_workers, episodes=args.episodes, seed=args.seed,
         follow_checkpoints=not args.no_follow, curriculum_min_attempts=args.curriculum,
+        layers=args.layers, width=args.width,
     )

@@ -22,7 +22,9 @@ from producers.policy.interface import PolicyBackend
 from producers.publishing import EventSink
 from producers.sandbox_runner import SandboxCodeRunner
 from producers.settings import WorkerSettings
-from producers.tasks import Curriculum, TaskMixer, load_source
+from producers.tasks import Curriculum, TaskMixer
+from producers.tasks.sources import seeded_source
+from schemas.models import tiny_llama_config
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ class RolloutWorker:
         self.settings = settings
         self.store = ObjectStore(platform, retry_for_s=600.0)
         self.sink = EventSink(platform, settings.topics, self.store)
-        self.backend = backend or make_backend(settings.backend, settings.model_dir, seed=settings.seed)
+        self.backend = backend or self._backend()
         self.code_runner = SandboxCodeRunner(settings.sandbox, settings.sandbox_workers)
         self.mixer = self._mixer()
         self.follower = CheckpointFollower(platform, settings.topics, self.store)
@@ -63,9 +65,15 @@ class RolloutWorker:
         self.stats = WorkerStats()
         self._stop = False
 
+    def _backend(self) -> PolicyBackend:
+        s = self.settings
+        if s.model_dir is not None:
+            return make_backend(s.backend, s.model_dir, seed=s.seed)
+        return make_backend(s.backend, None, seed=s.seed, config=tiny_llama_config(layers=s.layers, width=s.width))
+
     def _mixer(self) -> TaskMixer:
         s = self.settings
-        sources = [load_source(name, seed=s.seed) for name in s.sources]
+        sources = [seeded_source(name, s.seed) for name in s.sources]
         curriculum = Curriculum(s.curriculum_min_attempts) if s.curriculum_min_attempts else None
         return TaskMixer(sources, s.weights or None, seed=s.seed, curriculum=curriculum)
 
@@ -77,7 +85,8 @@ class RolloutWorker:
 
     def maybe_load_checkpoint(self) -> None:
         ready = self.follower.take_ready()
-        if ready is not None and ready.version > self.backend.version:
+        # The first checkpoint is loaded even at the same version: it replaces this worker's own init.
+        if ready is not None and (ready.version > self.backend.version or not self.stats.versions_loaded):
             self.backend.load_weights(ready.weights, ready.version)
             self.stats.versions_loaded.append(ready.version)
             print(f"[{self.settings.producer_id}] loaded policy v{ready.version}", file=sys.stderr, flush=True)

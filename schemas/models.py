@@ -9,7 +9,7 @@ PAD_ID, EOS_ID = 0, 1
 TOKENIZER = "byt5"
 
 
-def tiny_llama_config(layers: int = 4, width: int = 256, heads: int = 4, max_positions: int = 1024) -> dict[str, Any]:
+def tiny_llama_config(layers: int = 4, width: int = 256, heads: int = 4, max_positions: int = 2048) -> dict[str, Any]:
     """A few-M-parameter Llama config (a plain dict, so this module needs no torch)."""
     return {
         "model_type": "llama",

@@ -1,0 +1,1 @@
+"""Rollout workers: task sources, the policy, the sandbox, and the events they publish."""

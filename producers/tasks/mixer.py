@@ -1,0 +1,121 @@
+"""Data mixing across task sources by weight, with a curriculum that skips tasks that teach nothing."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass
+from typing import Mapping, MutableMapping, Sequence
+
+from producers.tasks.task import Task, TaskSource
+from schemas.errors import PipelineError
+
+ALWAYS_SOLVED = "always_solved"
+NEVER_SOLVED = "never_solved"
+
+
+class TasksExhausted(PipelineError):
+    """Every task of every source is skipped by the curriculum."""
+
+
+@dataclass(frozen=True)
+class Curriculum:
+    """Skip a task once it has `min_attempts` attempts and a pass rate of exactly 1.0 or 0.0.
+
+    Such a task gives every sample of a GRPO group the same reward: zero advantage, no gradient.
+    """
+
+    min_attempts: int = 8
+
+    def verdict(self, attempts: int, passes: int) -> str | None:
+        if attempts < self.min_attempts:
+            return None
+        if passes >= attempts:
+            return ALWAYS_SOLVED
+        return NEVER_SOLVED if passes == 0 else None
+
+
+class _Cursor:
+    """Walks a source in a seeded random order, reshuffled each epoch."""
+
+    def __init__(self, source: TaskSource, rng: random.Random) -> None:
+        self.source, self._rng = source, rng
+        self._order: list[int] = []
+
+    def next(self) -> Task:
+        if not self._order:
+            self._order = list(range(len(self.source)))
+            self._rng.shuffle(self._order)
+        return self.source[self._order.pop()]
+
+
+def resolve_weights(sources: Sequence[TaskSource], weights: Mapping[str, float] | None) -> list[float]:
+    """A weight per source: keyed by source name, else by domain (shared equally by that domain's sources)."""
+    if not weights:
+        return [1.0] * len(sources)
+    per_domain = Counter(s.domain for s in sources if s.name not in weights)
+    resolved = [weights[s.name] if s.name in weights else weights.get(s.domain, 0.0) / per_domain[s.domain]
+                for s in sources]
+    if any(w < 0 for w in resolved) or sum(resolved) <= 0:
+        raise ValueError(f"task weights {dict(weights)} give no positive weight to sources "
+                         f"{[s.name for s in sources]}; key them by source name or domain")
+    return resolved
+
+
+class TaskMixer:
+    """Draws tasks from several sources in proportion to their weights.
+
+        mixer = TaskMixer([load_source("math-easy"), load_source("table")], {"math": 0.8, "table": 0.2}, seed=0)
+        task = mixer.next()
+        mixer.update_stats(task.task_id, attempts=8, passes=8)   # from the TaskStats topic
+        mixer.skips                                               # Counter: always_solved / never_solved
+    """
+
+    def __init__(self, sources: Sequence[TaskSource], weights: Mapping[str, float] | None = None, seed: int = 0,
+                 stats: MutableMapping[str, tuple[int, int]] | None = None,
+                 curriculum: Curriculum | None = Curriculum()) -> None:
+        if not sources:
+            raise ValueError("TaskMixer needs at least one task source")
+        self.sources = list(sources)
+        self.weights = resolve_weights(self.sources, weights)
+        self.stats: MutableMapping[str, tuple[int, int]] = stats if stats is not None else {}
+        self.curriculum = curriculum
+        self.skips: Counter[str] = Counter()
+        self.drawn: Counter[str] = Counter()
+        self._rng = random.Random(seed)
+        self._cursors = [_Cursor(s, random.Random(f"{seed}:{s.name}")) for s in self.sources]
+
+    def update_stats(self, task_id: str, attempts: int, passes: int) -> None:
+        self.stats[task_id] = (attempts, passes)
+
+    def skip_reason(self, task_id: str) -> str | None:
+        if self.curriculum is None or task_id not in self.stats:
+            return None
+        return self.curriculum.verdict(*self.stats[task_id])
+
+    def _draw_from(self, cursor: _Cursor) -> Task | None:
+        # One full pass over the source at most: after that every task of it is skipped.
+        for _ in range(len(cursor.source)):
+            task = cursor.next()
+            reason = self.skip_reason(task.task_id)
+            if reason is None:
+                return task
+            self.skips[reason] += 1
+        return None
+
+    def next(self) -> Task:
+        live = list(range(len(self.sources)))
+        while live:
+            pick = self._rng.choices(live, weights=[self.weights[i] for i in live])[0]
+            task = self._draw_from(self._cursors[pick]) if self.weights[pick] > 0 else None
+            if task is not None:
+                self.drawn[self.sources[pick].name] += 1
+                return task
+            live.remove(pick)
+        raise TasksExhausted("the curriculum skips every task of every source (always or never solved); "
+                             "add tasks or raise Curriculum.min_attempts")
+
+    def __iter__(self) -> "TaskMixer":
+        return self
+
+    def __next__(self) -> Task:
+        return self.next()

@@ -1,0 +1,1 @@
+"""The Faust stream processors: clean, assemble, score and group rollout events."""

@@ -1,0 +1,330 @@
+"""Versioned reward functions: outcome, process and penalty components of a Trajectory, per domain.
+
+    fn = get_reward_fn("default", "1")
+    result = fn(trajectory)            # RewardResult(total, components); raises RewardError
+    replace(trajectory, reward=result.total, reward_components=result.components,
+            reward_fn="default", reward_version="1")
+
+Components are measurements with stable names; a version is a table of weights over them, and
+total = sum(weight * component). Registered functions:
+
+    ("default", "1")  outcome + 0.1 * each process component - 0.5 * truncated - 0.2 * overlong
+    ("default", "2")  as "1" but the truncation penalty weighs 1.0: a truncated trajectory scores exactly
+                      0.5 less than under "1"; every other trajectory scores the same. Components are equal.
+    ("outcome", "1")  the outcome component alone (all components still recorded)
+
+Components by domain (all in [0, 1]):
+    code   outcome/tests_passed  fraction of tests passed on the last turn the sandbox ran
+           process/syntax_ok     fraction of executed turns without a syntax_error
+           process/tests_partial best fraction of tests passed on any turn (credit for progress)
+    math   outcome/correct       final answer equivalent to the gold one: exact rational compare when both
+                                 are plain numbers, else math-verify (so "0.5" == "1/2" == "\\frac{1}{2}")
+           process/answer_found  a final answer could be extracted at all (format reward)
+    table  outcome/correct       |answer - gold| <= the spec's tolerance
+           process/answer_found
+           process/cells_cited   fraction of the spec's cells whose row label or value the text mentions
+    all    penalty/truncated     status "truncated" or any turn stopped by finish_reason "length"
+           penalty/overlong      0 up to 3/4 of the length budget, rising linearly to 1 at the budget
+           status/not_trainable  0 here
+
+Final answers are taken from the last turn's text: the last \\boxed{...}, else the text after the last
+"answer:" / "answer is", else after the last "=", else the last number.
+
+Trajectories with status abandoned, aborted or error, and code trajectories whose last executed turn is an
+infra_error (the sandbox failed, not the policy), are never trained on: every version scores them 0 with
+the single component status/not_trainable = 1 (plus status/infra_error = 1 for the latter), without reading
+the task_spec. Any failure inside a reward function surfaces as RewardError (the caller dead-letters it).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import wraps
+from typing import Any, Callable, Mapping
+
+from math_verify import parse, verify
+
+from schemas.errors import ConfigError, RewardError
+from schemas.records import Trajectory, TrajectoryTurn
+from schemas.tasks import TaskSpecError, decode_task_spec
+
+OUTCOME_TESTS = "outcome/tests_passed"
+OUTCOME_CORRECT = "outcome/correct"
+PROCESS_SYNTAX = "process/syntax_ok"
+PROCESS_PARTIAL = "process/tests_partial"
+PROCESS_ANSWER = "process/answer_found"
+PROCESS_CELLS = "process/cells_cited"
+PENALTY_TRUNCATED = "penalty/truncated"
+PENALTY_OVERLONG = "penalty/overlong"
+NOT_TRAINABLE = "status/not_trainable"
+INFRA_ERROR = "status/infra_error"
+
+TRAINABLE_STATUSES = ("completed", "truncated")
+UNTRAINABLE_STATUSES = ("abandoned", "aborted", "error")
+# Generated tokens at which penalty/overlong reaches 1, unless the task_spec sets length_budget.
+LENGTH_BUDGET = {"code": 1024, "math": 256, "table": 256}
+# Longer answers skip math-verify: sympy on adversarial text (towers of powers) can run for minutes,
+# and with its signal-based timeout off (it fails outside the main thread) nothing would stop it.
+MAX_SYMBOLIC_CHARS = 64
+_FLOAT_SLACK = 1e-9
+
+WEIGHTS_V1: dict[str, float] = {
+    OUTCOME_TESTS: 1.0, OUTCOME_CORRECT: 1.0,
+    PROCESS_SYNTAX: 0.1, PROCESS_PARTIAL: 0.1, PROCESS_ANSWER: 0.1, PROCESS_CELLS: 0.1,
+    PENALTY_TRUNCATED: -0.5, PENALTY_OVERLONG: -0.2,
+}
+WEIGHTS_V2: dict[str, float] = {**WEIGHTS_V1, PENALTY_TRUNCATED: -1.0}
+WEIGHTS_OUTCOME: dict[str, float] = {OUTCOME_TESTS: 1.0, OUTCOME_CORRECT: 1.0}
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    total: float
+    components: dict[str, float]
+
+
+RewardFn = Callable[[Trajectory], RewardResult]
+REWARDS: dict[tuple[str, str], RewardFn] = {}
+
+
+def register(name: str, version: str) -> Callable[[RewardFn], RewardFn]:
+    """Register under (name, version); the registered function raises nothing but RewardError."""
+    def decorate(fn: RewardFn) -> RewardFn:
+        if (name, version) in REWARDS:
+            raise ValueError(f"reward function {name} v{version} is already registered")
+
+        @wraps(fn)
+        def guarded(trajectory: Trajectory) -> RewardResult:
+            try:
+                result = fn(trajectory)
+            except RewardError:
+                raise
+            except Exception as exc:
+                raise RewardError(f"reward {name} v{version} failed on {trajectory.trajectory_id}: {exc!r}") from exc
+            if not math.isfinite(result.total):
+                raise RewardError(f"reward {name} v{version} gave {result.total} for {trajectory.trajectory_id}")
+            return result
+
+        REWARDS[(name, version)] = guarded
+        return guarded
+    return decorate
+
+
+def get_reward_fn(name: str, version: str) -> RewardFn:
+    try:
+        return REWARDS[(name, str(version))]
+    except KeyError:
+        known = ", ".join(f"{n} v{v}" for n, v in sorted(REWARDS))
+        raise ConfigError(f"no reward function {name} v{version}; registered: {known}") from None
+
+
+# ---- answers -------------------------------------------------------------------------------------------
+
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+_ANSWER_MARK = re.compile(r"answer\s*(?:is\s*:?|:)", re.IGNORECASE)
+_HUGE_POWER = re.compile(r"(?:\^|\*\*)\s*\{?\s*\d{4,}")
+
+
+def _last_boxed(text: str) -> str | None:
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth < 0:
+            return text[begin:i]
+    return None
+
+
+def _rest_of_line(text: str, at: int) -> str | None:
+    rest = text[at:].split("\n", 1)[0].strip()
+    return rest or None
+
+
+def _after_answer_mark(text: str) -> str | None:
+    marks = list(_ANSWER_MARK.finditer(text))
+    return _rest_of_line(text, marks[-1].end()) if marks else None
+
+
+def _after_equals(text: str) -> str | None:
+    at = text.rfind("=")
+    return _rest_of_line(text, at + 1) if at >= 0 else None
+
+
+def _last_number(text: str) -> str | None:
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def extract_final_answer(text: str) -> str | None:
+    """The final answer of a completion, by the first rule that finds one (see the module docstring)."""
+    for finder in (_last_boxed, _after_answer_mark, _after_equals, _last_number):
+        found = finder(text)
+        if found and found.strip():
+            return found.strip()
+    return None
+
+
+def to_number(text: str) -> Fraction | None:
+    """A plain number ("1,692", "-0.5", "1/2", "38.25%", "$7.") exactly, else None."""
+    cleaned = text.strip().strip("$").rstrip(".").replace("\\%", "%").rstrip("%").strip()
+    if not _NUMBER.fullmatch(cleaned):
+        return None
+    try:
+        return Fraction(cleaned.replace(",", ""))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _first_number(text: str) -> Fraction | None:
+    found = _NUMBER.search(text)
+    return to_number(found.group()) if found else None
+
+
+def _safe_for_sympy(text: str) -> bool:
+    powers = text.count("^") + text.count("**")
+    return len(text) <= MAX_SYMBOLIC_CHARS and powers <= 1 and "!" not in text and not _HUGE_POWER.search(text)
+
+
+def math_equivalent(gold: str, candidate: str) -> bool:
+    """Exact rational equality for plain numbers, else math-verify equivalence (gold first, as it expects)."""
+    gold_number, number = to_number(gold), to_number(candidate)
+    if gold_number is not None and number is not None:
+        return gold_number == number
+    if not _safe_for_sympy(candidate):
+        return False
+    return bool(verify(parse(gold, parsing_timeout=None), parse(candidate, parsing_timeout=None),
+                       timeout_seconds=None))
+
+
+def table_correct(candidate: str, gold: str, tolerance: float) -> bool:
+    """The candidate's number (itself, else its first number) within tolerance of the gold number."""
+    value = to_number(candidate)
+    value = value if value is not None else _first_number(candidate)
+    gold_value = to_number(gold)
+    if value is None or gold_value is None:
+        return False
+    return abs(float(value - gold_value)) <= tolerance + _FLOAT_SLACK
+
+
+# ---- components ----------------------------------------------------------------------------------------
+
+def _final_text(trajectory: Trajectory) -> str:
+    return trajectory.turns[-1].text if trajectory.turns else ""
+
+
+def _executed(trajectory: Trajectory) -> list[TrajectoryTurn]:
+    return [t for t in trajectory.turns if t.outcome]
+
+
+def _tests_fraction(turn: TrajectoryTurn) -> float:
+    if turn.tests_total > 0:
+        return min(turn.tests_passed / turn.tests_total, 1.0)
+    return 1.0 if turn.outcome == "passed" else 0.0
+
+
+def code_components(trajectory: Trajectory, spec: Mapping[str, Any]) -> dict[str, float]:
+    runs = _executed(trajectory)
+    fractions = [_tests_fraction(t) for t in runs]
+    syntax_ok = [t.outcome != "syntax_error" for t in runs]
+    return {
+        OUTCOME_TESTS: fractions[-1] if runs else 0.0,
+        PROCESS_SYNTAX: sum(syntax_ok) / len(runs) if runs else 0.0,
+        PROCESS_PARTIAL: max(fractions, default=0.0),
+    }
+
+
+def math_components(trajectory: Trajectory, spec: Mapping[str, Any]) -> dict[str, float]:
+    answer = extract_final_answer(_final_text(trajectory))
+    correct = answer is not None and math_equivalent(spec["answer"], answer)
+    return {OUTCOME_CORRECT: float(correct), PROCESS_ANSWER: float(answer is not None)}
+
+
+def _cell_cited(text: str, cell: Mapping[str, Any]) -> bool:
+    value = cell["value"]
+    forms = {str(value), f"{value:,}"} if isinstance(value, int) else {str(value)}
+    mentions_value = any(re.search(rf"(?<![\d,.]){re.escape(f)}(?![\d,]|\.\d)", text) for f in forms)
+    return mentions_value or cell["row"].lower() in text.lower()
+
+
+def table_components(trajectory: Trajectory, spec: Mapping[str, Any]) -> dict[str, float]:
+    answer = extract_final_answer(_final_text(trajectory))
+    correct = answer is not None and table_correct(answer, spec["answer"], float(spec["tolerance"]))
+    text = "\n".join(t.text for t in trajectory.turns)
+    cited = [_cell_cited(text, cell) for cell in spec["cells"]]
+    return {OUTCOME_CORRECT: float(correct), PROCESS_ANSWER: float(answer is not None),
+            PROCESS_CELLS: sum(cited) / len(cited)}
+
+
+_DOMAIN_COMPONENTS: dict[str, Callable[[Trajectory, Mapping[str, Any]], dict[str, float]]] = {
+    "code": code_components, "math": math_components, "table": table_components,
+}
+
+
+def _generated_tokens(turn: TrajectoryTurn) -> int:
+    # Token ids are packed int32; without them, UTF-8 bytes (what the byte-level tokenizer sees).
+    return len(turn.tokens) // 4 if turn.tokens else len(turn.text.encode())
+
+
+def penalty_components(trajectory: Trajectory, spec: Mapping[str, Any]) -> dict[str, float]:
+    truncated = trajectory.status == "truncated" or any(t.finish_reason == "length" for t in trajectory.turns)
+    budget = spec.get("length_budget", LENGTH_BUDGET[trajectory.domain])
+    used = sum(_generated_tokens(t) for t in trajectory.turns)
+    soft = 0.75 * budget
+    overlong = min(max((used - soft) / (budget - soft), 0.0), 1.0) if budget > 0 else 0.0
+    return {PENALTY_TRUNCATED: float(truncated), PENALTY_OVERLONG: overlong}
+
+
+def untrainable_components(trajectory: Trajectory) -> dict[str, float] | None:
+    """The components of a trajectory that is never trained on, or None if it is trainable."""
+    if trajectory.status in UNTRAINABLE_STATUSES:
+        return {NOT_TRAINABLE: 1.0}
+    if trajectory.status not in TRAINABLE_STATUSES:
+        raise RewardError(f"trajectory {trajectory.trajectory_id}: unknown status {trajectory.status!r}")
+    runs = _executed(trajectory)
+    if trajectory.domain == "code" and runs and runs[-1].outcome == "infra_error":
+        return {NOT_TRAINABLE: 1.0, INFRA_ERROR: 1.0}
+    return None
+
+
+def _spec(trajectory: Trajectory) -> dict[str, Any]:
+    try:
+        return decode_task_spec(trajectory.task_spec, trajectory.domain)
+    except TaskSpecError as exc:
+        where = f"trajectory {trajectory.trajectory_id} ({trajectory.task_id})"
+        raise RewardError(f"{where}: bad task_spec: {exc}") from exc
+
+
+def measure(trajectory: Trajectory) -> dict[str, float]:
+    """Every component of a trajectory; the same for all versions (versions only weigh them)."""
+    untrainable = untrainable_components(trajectory)
+    if untrainable is not None:
+        return untrainable
+    spec = _spec(trajectory)
+    components = _DOMAIN_COMPONENTS[trajectory.domain](trajectory, spec)
+    return {NOT_TRAINABLE: 0.0, **components, **penalty_components(trajectory, spec)}
+
+
+def weighted(components: Mapping[str, float], weights: Mapping[str, float]) -> RewardResult:
+    if components.get(NOT_TRAINABLE, 0.0):
+        return RewardResult(0.0, dict(components))
+    total = sum(weights.get(name, 0.0) * value for name, value in components.items())
+    return RewardResult(total, dict(components))
+
+
+@register("default", "1")
+def default_v1(trajectory: Trajectory) -> RewardResult:
+    return weighted(measure(trajectory), WEIGHTS_V1)
+
+
+@register("default", "2")
+def default_v2(trajectory: Trajectory) -> RewardResult:
+    return weighted(measure(trajectory), WEIGHTS_V2)
+
+
+@register("outcome", "1")
+def outcome_v1(trajectory: Trajectory) -> RewardResult:
+    return weighted(measure(trajectory), WEIGHTS_OUTCOME)

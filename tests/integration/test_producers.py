@@ -1,0 +1,180 @@
+"""Rollout workers against the real broker and store: ordered episodes, broker outage, checkpoint following."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from infra.bootstrap import bootstrap
+from infra.kafka import Publisher, read_topic
+from infra.launcher import Launcher
+from infra.objectstore import ObjectStore
+from infra.settings import Settings
+from producers.checkpoints import WEIGHTS_FILE, CheckpointFollower
+from producers.settings import WorkerSettings
+from producers.tasks import load_source
+from producers.worker import RolloutWorker
+from schemas import codec
+from schemas.keys import checkpoint_prefix
+from schemas.manifests import CheckpointManifest, FileEntry
+from schemas.packing import sha256_hex
+from schemas.records import CheckpointPublished, EpisodeEnded, EpisodeStarted, PolicyTurn, RolloutEvent, SandboxResult
+from schemas.topics import Topics
+from tests.integration.test_launcher import free_port_pair
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def small_worker(ns: str, stack: Settings, **kw: object) -> RolloutWorker:
+    settings = WorkerSettings(ns=ns, producer_id="test-worker", group_size=2, max_new_tokens=12, layers=2,
+                              width=64, follow_checkpoints=False, **kw)  # type: ignore[arg-type]
+    return RolloutWorker(settings, stack)
+
+
+def events_by_episode(stack: Settings, topics: Topics) -> dict[str, list[tuple[int, int, RolloutEvent]]]:
+    out: dict[str, list[tuple[int, int, RolloutEvent]]] = defaultdict(list)
+    for msg in read_topic(stack, topics.events):
+        ev = codec.decode(msg.value())
+        out[ev.episode_id].append((msg.partition(), msg.offset(), ev))
+    return out
+
+
+def assert_complete_and_ordered(events: list[tuple[int, int, RolloutEvent]]) -> None:
+    assert len({p for p, _, _ in events}) == 1, "an episode spans partitions"
+    ordered = [ev for _, _, ev in sorted(events, key=lambda t: t[1])]
+    assert [ev.seq for ev in ordered] == list(range(len(ordered)))
+    assert isinstance(ordered[0].body, EpisodeStarted) and isinstance(ordered[-1].body, EpisodeEnded)
+    turns = [ev.body.turn for ev in ordered if isinstance(ev.body, PolicyTurn)]
+    assert turns == list(range(len(turns))) and ordered[-1].body.num_turns == len(turns)
+    for prev, ev in zip(ordered, ordered[1:]):
+        if isinstance(ev.body, SandboxResult):
+            assert isinstance(prev.body, PolicyTurn) and prev.body.turn == ev.body.turn
+    for ev in ordered:
+        if isinstance(ev.body, PolicyTurn):
+            assert len(ev.body.tokens) == len(ev.body.logprobs) > 0
+
+
+def test_a_worker_produces_complete_ordered_episodes_for_all_three_domains(stack: Settings, topics: Topics) -> None:
+    worker = small_worker(topics.ns, stack, max_turns=2)
+    tasks = [load_source("math-easy")[0], load_source("table", seed=1)[0], load_source("humaneval")[2]]
+    summary = worker.runner.run_step(tasks)
+    worker.sink.close()
+    worker.code_runner.close()
+    assert summary.episodes == 6 and sum(summary.statuses.values()) == 6
+    by_ep = events_by_episode(stack, topics)
+    assert len(by_ep) == 6
+    domains = defaultdict(int)
+    for events in by_ep.values():
+        assert_complete_and_ordered(events)
+        domains[events[0][2].domain] += 1
+        code_turns = [e for _, _, e in events if isinstance(e.body, PolicyTurn)]
+        if events[0][2].domain == "code":
+            results = [e for _, _, e in events if isinstance(e.body, SandboxResult)]
+            assert len(results) == len(code_turns) >= 1
+            assert results[0].body.outcome in ("passed", "failed", "syntax_error", "runtime_error", "timeout")
+    assert domains == {"math": 2, "table": 2, "code": 2}
+    groups = {events[0][2].group_id for events in by_ep.values()}
+    assert len(groups) == 3
+    assert worker.sink.stats["delivered"] == sum(len(v) for v in by_ep.values())
+
+
+@pytest.mark.slow
+def test_killing_the_broker_mid_run_loses_no_event(tmp_path: Path) -> None:
+    launcher = Launcher(state_dir=tmp_path / "stack", kafka_port=free_port_pair(), minio_port=free_port_pair())
+    launcher.up()
+    try:
+        creds = launcher.minio_credentials()
+        own = Settings(launcher.kafka.address, launcher.minio.address, creds["MINIO_ROOT_USER"],
+                       creds["MINIO_ROOT_PASSWORD"])
+        bootstrap(own, "outage")
+        env = {**own.as_env(), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "producers", "--ns", "outage", "--sources", "math-easy", "--episodes", "48",
+             "--group-size", "4", "--prompts-per-step", "2", "--max-new-tokens", "8", "--layers", "2",
+             "--width", "64", "--no-follow"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
+        topics = Topics("outage")
+        deadline = time.monotonic() + 120
+        while sum(hi for _, hi in _watermarks(own, topics)) < 20 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        launcher.kill("kafka")
+        time.sleep(5)
+        launcher.start("kafka")
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        report = json.loads(out.strip().splitlines()[-1])
+        by_ep = events_by_episode(own, topics)
+        total = sum(len(v) for v in by_ep.values())
+        assert report["events"]["failed"] == 0 and report["events"]["delivered"] == report["events"]["sent"] == total
+        assert len(by_ep) == report["episodes"] == 48
+        for events in by_ep.values():
+            assert_complete_and_ordered(events)
+    finally:
+        launcher.down()
+
+
+def _watermarks(settings: Settings, topics: Topics) -> list[tuple[int, int]]:
+    from infra.kafka import end_offsets
+
+    try:
+        return list(end_offsets(settings, topics.events, timeout=2).values())
+    except Exception:
+        return []
+
+
+def publish_checkpoint(stack: Settings, store: ObjectStore, topics: Topics, version: int,
+                       weights: dict[str, torch.Tensor], corrupt: bool = False) -> None:
+    from safetensors.torch import save
+
+    data = save(weights, metadata={"format": "pt"})
+    prefix = checkpoint_prefix(topics.ns, version)
+    store.put(prefix + WEIGHTS_FILE, data)
+    manifest = CheckpointManifest(run=topics.ns, version=version, step=version, algorithm="grpo",
+                                  files={WEIGHTS_FILE: FileEntry(sha256_hex(data), len(data))}, offsets={},
+                                  batch_ids=[])
+    body = manifest.to_json()
+    store.put(prefix + "manifest.json", body)
+    sha = sha256_hex(body) if not corrupt else "0" * 64
+    event = CheckpointPublished(run=topics.ns, version=version, step=version, bucket=store.bucket, prefix=prefix,
+                                manifest_key=prefix + "manifest.json", manifest_sha256=sha, algorithm="grpo",
+                                batch_ids=(), ts=0)
+    pub = Publisher(stack)
+    pub.send(topics.checkpoints, topics.ns.encode(), codec.encode(event))
+    pub.close()
+
+
+def test_a_bad_checkpoint_is_refused_and_a_good_one_is_loaded(stack: Settings, topics: Topics,
+                                                               store: ObjectStore) -> None:
+    worker = small_worker(topics.ns, stack)
+    model = worker.backend.model  # type: ignore[attr-defined]
+    weights = {k: (v + 0.5).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    publish_checkpoint(stack, store, topics, 1, weights, corrupt=True)
+    follower = CheckpointFollower(stack, topics, store)
+    worker.follower = follower
+    follower.start()
+    deadline = time.monotonic() + 30
+    while not follower.refused and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert follower.refused and "v1 refused" in follower.refused[0]
+    assert follower.take_ready() is None
+
+    publish_checkpoint(stack, store, topics, 2, weights)
+    while follower.latest_published < 2 and time.monotonic() < deadline + 30:
+        time.sleep(0.2)
+    worker.maybe_load_checkpoint()
+    follower.stop()
+    assert worker.backend.version == 2
+    embed = model.get_input_embeddings().weight
+    assert torch.equal(embed, weights["model.embed_tokens.weight"])
+    worker.runner.run_step([load_source("math-easy")[3]])
+    worker.sink.close()
+    worker.code_runner.close()
+    versions = {ev.policy_version for events in events_by_episode(stack, topics).values() for _, _, ev in events}
+    assert versions == {2}
