@@ -1,0 +1,389 @@
+"""The learner on a tiny model: batching, one update per algorithm, learning on toy tasks, staleness, checkpoints."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import uuid
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from learner.batching import NO_VERSION, collate, flatten
+from learner.checkpoint_files import (
+    CHECKPOINT_FILES,
+    file_entries,
+    read_checkpoint,
+    read_dir,
+    verify_files,
+    write_checkpoint,
+    write_dir,
+)
+from learner.losses import token_logprobs
+from learner.model import build_policy, frozen_reference
+from learner.pairs import preference_pairs
+from learner.update import Trainer, TrainConfig, select_trajectories
+from schemas.errors import CheckpointError, ConfigError, IntegrityError, ValidationError
+from schemas.manifests import CheckpointManifest
+from schemas.models import EOS_ID, PAD_ID
+from schemas.packing import pack_floats, pack_ids
+from schemas.records import Trajectory, TrajectoryTurn
+
+Turn = tuple[list[int], list[int], list[float], int]  # observation ids, generated ids, behaviour log-probs, version
+
+
+def byte_ids(text: str) -> list[int]:
+    return [b + 3 for b in text.encode()]  # ByT5: byte b is id b + 3
+
+
+def make_trajectory(
+    prompt: list[int], turns: Sequence[Turn], reward: float = 0.0, advantage: float = 0.0,
+    group: str = "g0", status: str = "completed",
+) -> Trajectory:
+    packed = tuple(
+        TrajectoryTurn(turn=i, policy_version=version, obs_text="", obs_tokens=pack_ids(obs), text="",
+                       tokens=pack_ids(gen), logprobs=pack_floats(lps), finish_reason="stop")
+        for i, (obs, gen, lps, version) in enumerate(turns)
+    )
+    return Trajectory(
+        trajectory_id=uuid.uuid4().hex, episode_id=uuid.uuid4().hex, group_id=group, task_id="t", domain="math",
+        run="test", status=status, task_spec="", prompt_text="", prompt_tokens=pack_ids(prompt), turns=packed,
+        reward=reward, reward_components={}, reward_fn="exact", reward_version="1", advantage=advantage,
+        group_reward_mean=0.0, group_reward_std=0.0, source_topic="t", source_offsets=(), started_ts=0, ended_ts=0,
+    )
+
+
+def tiny_model(seed: int = 0) -> PreTrainedModel:
+    return build_policy(layers=2, width=64, heads=4, seed=seed)
+
+
+@torch.no_grad()
+def sample(model: torch.nn.Module, prompt: list[int], n: int, new_tokens: int, temperature: float = 1.0,
+           generator: torch.Generator | None = None) -> tuple[list[list[int]], list[list[float]]]:
+    """n samples from the policy with the log-prob of each sampled token at `temperature` (as workers record)."""
+    ids = torch.tensor([prompt] * n)                                               # (n, P)
+    logprobs = []
+    for _ in range(new_tokens):
+        logits = model(input_ids=ids).logits[:, -1].float() / temperature         # (n, V)
+        dist = torch.log_softmax(logits, -1)
+        token = torch.multinomial(dist.exp(), 1, generator=generator)             # (n, 1)
+        logprobs.append(dist.gather(-1, token))
+        ids = torch.cat([ids, token], dim=1)
+    return ids[:, len(prompt):].tolist(), torch.cat(logprobs, dim=1).tolist()
+
+
+def group_advantages(rewards: list[float]) -> list[float]:
+    mean = sum(rewards) / len(rewards)
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+    return [(r - mean) / (std + 1e-6) for r in rewards]
+
+
+def on_policy_group(model: torch.nn.Module, prompt: list[int], group: str, version: int = 0,
+                    rewards: Sequence[float] = (1.0, 0.0, 0.5, 0.0)) -> list[Trajectory]:
+    gens, lps = sample(model, prompt, len(rewards), new_tokens=3, generator=torch.Generator().manual_seed(1))
+    advs = group_advantages(list(rewards))
+    return [make_trajectory(prompt, [([], g, lp, version)], r, a, group)
+            for g, lp, r, a in zip(gens, lps, rewards, advs)]
+
+
+# --- batching -------------------------------------------------------------------------------------------
+
+def test_collate_masks_prompt_and_observations_and_aligns_logprobs() -> None:
+    traj = make_trajectory([10, 11], [([], [20, 21], [-0.1, -0.2], 3), ([30, 31, 32], [40], [-0.4], 4)], advantage=2.0)
+    short = make_trajectory([10], [([], [50], [-0.5], 4)], advantage=-1.0)
+    batch = collate([(traj, 1.0), (short, 0.5)], max_len=64)
+    assert batch.input_ids.tolist() == [[10, 11, 20, 21, 30, 31, 32, 40], [10, 50] + [PAD_ID] * 6]
+    assert batch.attention_mask.tolist() == [[1] * 8, [1, 1] + [0] * 6]
+    # Targets are input_ids[:, 1:] = 11 20 21 30 31 32 40: only 20, 21 and 40 were generated.
+    assert batch.loss_mask.tolist() == [[0, 1, 1, 0, 0, 0, 1], [1, 0, 0, 0, 0, 0, 0]]
+    assert batch.old_logprobs[0].tolist() == pytest.approx([0, -0.1, -0.2, 0, 0, 0, -0.4])
+    assert batch.versions[0].tolist() == [NO_VERSION, 3, 3, NO_VERSION, NO_VERSION, NO_VERSION, 4]
+    assert batch.advantages.tolist() == [[0, 2, 2, 0, 0, 0, 2], [-0.5, 0, 0, 0, 0, 0, 0]]
+    assert batch.truncated == 0 and batch.num_tokens == 10
+
+
+def test_collate_truncates_at_max_len_and_counts_it() -> None:
+    traj = make_trajectory([10, 11], [([], [20, 21, 22, 23], [-0.1] * 4, 0)])
+    batch = collate([(traj, 1.0)], max_len=4)
+    assert batch.input_ids.tolist() == [[10, 11, 20, 21]]
+    assert batch.loss_mask.tolist() == [[0, 1, 1]]
+    assert batch.truncated == 1
+
+
+def test_tokens_without_logprobs_are_rejected() -> None:
+    traj = make_trajectory([10], [([], [20, 21], [-0.1], 0)])
+    with pytest.raises(ValidationError, match="length_mismatch"):
+        flatten(traj)
+
+
+def test_observation_and_behaviour_values_off_the_mask_do_not_change_the_loss() -> None:
+    model = tiny_model()
+    trainer = Trainer(model, TrainConfig(algorithm="grpo", kl_coef=0.1))
+    traj = make_trajectory([10, 11], [([], [20, 21], [-5.0, -5.5], 0), ([30, 31], [40], [-6.0], 0)], advantage=1.0)
+    batch = collate([(traj, 1.0)], max_len=64)
+    base, _ = trainer.loss(batch)
+    off = batch.loss_mask == 0
+    noisy = dataclasses.replace(batch, old_logprobs=batch.old_logprobs.masked_fill(off, 40.0))
+    assert trainer.loss(noisy)[0].item() == base.item()
+    # Another tool output changes the context of the last token, so only the mask is compared there.
+    other = make_trajectory([10, 11], [([], [20, 21], [-5.0, -5.5], 0), ([99, 98], [40], [-6.0], 0)], advantage=1.0)
+    assert collate([(other, 1.0)], 64).loss_mask.tolist() == batch.loss_mask.tolist()
+
+
+# --- configuration ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("kwargs", "fix"), [
+    ({"algorithm": "a2c"}, "use one of"),
+    ({"algorithm": "sft", "kl_coef": 0.1}, "set kl_coef=0"),
+    ({"algorithm": "dpo", "lag_mode": "downweight"}, "set lag_mode='drop'"),
+    ({"algorithm": "sft", "temperature": 0.7}, "set temperature=1.0"),
+    ({"grad_accum": 0}, "set it to 1 or more"),
+    ({"clip_eps": 1.5}, "clip_eps must be in (0, 1)"),
+    ({"lag_mode": "ignore"}, "use one of"),
+])
+def test_invalid_configs_say_the_fix(kwargs: dict[str, object], fix: str) -> None:
+    with pytest.raises(ConfigError, match=fix.replace("(", r"\(").replace(")", r"\)")):
+        TrainConfig(**kwargs)  # type: ignore[arg-type]
+
+
+# --- staleness and status filtering ---------------------------------------------------------------------
+
+def _versioned(version: int, status: str = "completed", reward: float = 1.0) -> Trajectory:
+    return make_trajectory([10], [([], [20], [-1.0], version + 1), ([], [21], [-1.0], version)],
+                           reward=reward, advantage=1.0, status=status)
+
+
+def test_stale_trajectories_are_dropped_and_counted() -> None:
+    trajs = [_versioned(10), _versioned(8), _versioned(7), _versioned(2)]   # lags 0, 2, 3, 8 (oldest turn)
+    sel = select_trajectories(trajs, current_version=10, config=TrainConfig(max_policy_lag=2))
+    assert [t for t, _ in sel.kept] == trajs[:2]
+    assert sel.counts["stale/dropped"] == 2 and sel.counts["stale/downweighted"] == 0
+    assert (sel.counts["policy_lag/0"], sel.counts["policy_lag/2"], sel.counts["policy_lag/3-4"],
+            sel.counts["policy_lag/5-8"]) == (1, 1, 1, 1)
+
+
+def test_stale_trajectories_are_downweighted_and_counted() -> None:
+    trajs = [_versioned(10), _versioned(7), _versioned(6)]                    # lags 0, 3, 4
+    config = TrainConfig(max_policy_lag=2, lag_mode="downweight", lag_decay=0.5)
+    sel = select_trajectories(trajs, current_version=10, config=config)
+    assert [w for _, w in sel.kept] == [1.0, 0.5, 0.25]
+    assert sel.counts["stale/downweighted"] == 2 and sel.counts["stale/dropped"] == 0
+    batch = collate(sel.kept, max_len=64)
+    assert batch.advantages.sum(-1).tolist() == [2.0, 1.0, 0.5]              # 2 generated tokens, advantage 1
+
+
+def test_unfinished_episodes_are_skipped_and_sft_keeps_only_successes() -> None:
+    trajs = [_versioned(0, "abandoned"), _versioned(0, "aborted"), _versioned(0, "error"),
+             _versioned(0, "truncated"), _versioned(0, "completed", reward=0.2), _versioned(0, "completed")]
+    grpo = select_trajectories(trajs, 0, TrainConfig())
+    assert len(grpo.kept) == 3
+    assert (grpo.counts["skipped/abandoned"], grpo.counts["skipped/aborted"], grpo.counts["skipped/error"]) == (1, 1, 1)
+    sft = select_trajectories(trajs, 0, TrainConfig(algorithm="sft", sft_min_reward=1.0))
+    assert [t for t, _ in sft.kept] == trajs[-1:]
+    assert sft.counts["skipped/unsuccessful"] == 2
+
+
+def test_a_step_with_nothing_to_train_does_not_update() -> None:
+    model = tiny_model()
+    trainer = Trainer(model, TrainConfig(max_policy_lag=1))
+    before = [p.detach().clone() for p in model.parameters()]
+    metrics = trainer.step([_versioned(0), _versioned(0, "error")], current_version=5)
+    assert metrics["train/updated"] == 0.0 and metrics["stale/dropped"] == 1 and metrics["skipped/error"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+# --- one update per algorithm ----------------------------------------------------------------------------
+
+def _batch_for(model: torch.nn.Module) -> list[Trajectory]:
+    groups = [on_policy_group(model, byte_ids(p), f"g{i}") for i, p in enumerate(["a=", "bb=", "c+c="])]
+    return [t for group in groups for t in group]
+
+
+@pytest.mark.parametrize(("algorithm", "extra"), [
+    ("grpo", {"kl_coef": 0.05}), ("ppo", {"kl_coef": 0.05}), ("sft", {"sft_min_reward": 0.5}), ("dpo", {}),
+])
+def test_one_update_changes_every_parameter(algorithm: str, extra: dict[str, float]) -> None:
+    model = tiny_model()
+    trainer = Trainer(model, TrainConfig(algorithm=algorithm, lr=1e-3, grad_accum=2, **extra))  # type: ignore[arg-type]
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    metrics = trainer.step(_batch_for(model), current_version=0)
+    assert metrics["train/updated"] == 1.0
+    assert math.isfinite(metrics["loss/total"]) and metrics["stats/grad_norm"] > 0
+    unchanged = [name for name, p in model.named_parameters() if torch.equal(before[name], p)]
+    assert unchanged == []
+    if trainer.reference is not None:  # the reference stays where it was
+        assert all(torch.equal(before[n], p) for n, p in trainer.reference.named_parameters())
+
+
+def test_metrics_are_namespaced() -> None:
+    model = tiny_model()
+    metrics = Trainer(model, TrainConfig(kl_coef=0.05)).step(_batch_for(model), current_version=0)
+    for key in ("loss/policy", "loss/kl", "loss/total", "stats/clip_frac", "stats/grad_norm", "stats/approx_kl",
+                "rollout/reward_mean", "policy_lag/0", "stale/dropped", "tokens/trained", "tokens/total"):
+        assert key in metrics, key
+    assert all("/" in key for key in metrics)
+    assert metrics["rollout/reward_mean"] == pytest.approx(0.375)
+    assert metrics["stats/clip_frac"] == 0.0   # on-policy: ratio 1
+
+
+def test_gradient_accumulation_equals_the_whole_batch() -> None:
+    grads = []
+    for accum in (1, 3):
+        model = tiny_model()
+        trainer = Trainer(model, TrainConfig(kl_coef=0.05, grad_accum=accum, loss_agg="token-mean"))
+        trajs = _batch_for(model)
+        batches, _ = trainer.micro_batches([(t, 1.0) for t in trajs])
+        trainer.accumulate(batches, current_version=0)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients() -> None:
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_model()
+        trainer = Trainer(model, TrainConfig(grad_checkpointing=checkpointing))
+        batches, _ = trainer.micro_batches([(t, 1.0) for t in _batch_for(model)])
+        trainer.accumulate(batches, current_version=0)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_cpu_bf16_autocast_keeps_the_loss_finite() -> None:
+    model = tiny_model()
+    trainer = Trainer(model, TrainConfig(kl_coef=0.05, cpu_bf16=True))
+    batches, _ = trainer.micro_batches([(t, 1.0) for t in _batch_for(model)])
+    loss, _ = trainer.loss(batches[0])
+    assert loss.dtype == torch.float32 and math.isfinite(loss.item())
+
+
+# --- learning on toy tasks -------------------------------------------------------------------------------
+
+DIGITS = byte_ids("0123456789")
+PICK = byte_ids("Pick a digit:")
+
+
+def test_sft_drives_the_loss_down() -> None:
+    model = tiny_model()
+    trainer = Trainer(model, TrainConfig(algorithm="sft", lr=3e-3, sft_min_reward=1.0))
+    answer = byte_ids("hello") + [EOS_ID]
+    data = [make_trajectory(byte_ids(p), [([], answer, [0.0] * len(answer), 0)], reward=1.0) for p in ("hi:", "yo:")]
+    losses = [trainer.step(data, current_version=0)["loss/sft"] for _ in range(25)]
+    assert losses[-1] < 0.25 * losses[0]
+
+
+def _warm_start_on_digits(model: PreTrainedModel) -> None:
+    """SFT on every digit equally: the policy then says a uniformly random digit (reward 0.1 on average)."""
+    sft = Trainer(model, TrainConfig(algorithm="sft", lr=1e-2))
+    data = [make_trajectory(PICK, [([], [d, EOS_ID], [0.0, 0.0], 0)], reward=1.0) for d in DIGITS]
+    for _ in range(30):
+        sft.step(data, current_version=0)
+
+
+def _seven_rate(model: torch.nn.Module, generator: torch.Generator) -> float:
+    gens, _ = sample(model, PICK, 64, new_tokens=1, generator=generator)
+    return sum(g[0] == byte_ids("7")[0] for g in gens) / len(gens)
+
+
+def test_grpo_raises_the_mean_reward_on_a_verifiable_task() -> None:
+    """"Say 7": reward 1 for the digit 7. Workers sample and record log-probs; rewards and group-normalised
+    advantages are computed here, as the streams service would; the policy version advances every step."""
+    torch.manual_seed(0)
+    model = tiny_model()
+    _warm_start_on_digits(model)
+    generator = torch.Generator().manual_seed(0)
+    start = _seven_rate(model, generator)
+    trainer = Trainer(model, TrainConfig(algorithm="grpo", lr=3e-3, max_policy_lag=1))
+    seven = byte_ids("7")[0]
+    for version in range(15):
+        gens, lps = sample(model, PICK, 32, new_tokens=2, generator=generator)   # 4 groups of 8, one batch
+        rewards = [float(g[0] == seven) for g in gens]
+        trajs = []
+        for first in range(0, 32, 8):
+            rows = range(first, first + 8)
+            advs = group_advantages([rewards[i] for i in rows])
+            trajs += [make_trajectory(PICK, [([], gens[i], lps[i], version)], rewards[i], a, f"{version}-{first}")
+                      for i, a in zip(rows, advs)]
+        trainer.step(trajs, current_version=version)
+    end = _seven_rate(model, generator)
+    assert start < 0.3 and end > start + 0.4, (start, end)
+
+
+# --- preference pairs -------------------------------------------------------------------------------------
+
+def test_pairs_take_best_and_worst_and_skip_ties() -> None:
+    a = [make_trajectory([10], [([], [20], [-1.0], 0)], reward=r, group="a") for r in (0.5, 1.0, 0.0)]
+    tie = [make_trajectory([10], [([], [20], [-1.0], 0)], reward=1.0, group="tie") for _ in range(3)]
+    alone = [make_trajectory([10], [([], [20], [-1.0], 0)], reward=1.0, group="alone")]
+    pairs, skipped = preference_pairs(a + tie + alone)
+    assert len(pairs) == 1 and skipped == 2
+    assert (pairs[0].chosen, pairs[0].rejected, pairs[0].margin) == (a[1], a[2], 1.0)
+
+
+# --- checkpoints -----------------------------------------------------------------------------------------
+
+def _trained() -> tuple[Trainer, list[Trajectory]]:
+    model = tiny_model()
+    trainer = Trainer(model, TrainConfig(lr=1e-3, kl_coef=0.05))
+    trajs = _batch_for(model)
+    trainer.step(trajs, current_version=0)
+    return trainer, trajs
+
+
+def test_checkpoint_loads_with_from_pretrained_and_gives_identical_logits(tmp_path: Path) -> None:
+    trainer, _ = _trained()
+    files = write_checkpoint(trainer.state_dict_for_checkpoint())
+    assert set(files) == set(CHECKPOINT_FILES)
+    loaded = AutoModelForCausalLM.from_pretrained(write_dir(files, tmp_path), local_files_only=True)
+    ids = torch.tensor([byte_ids("checkpoint?")])
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, trainer.model(input_ids=ids).logits)
+    assert read_dir(tmp_path) == files
+
+
+def test_checkpoint_resume_continues_exactly() -> None:
+    trainer, trajs = _trained()
+    state = read_checkpoint(write_checkpoint(trainer.state_dict_for_checkpoint()))
+    resumed = Trainer(tiny_model(seed=1), TrainConfig(lr=1e-3, kl_coef=0.05), reference=trainer.reference)
+    resumed.load_checkpoint_state(state.model, state.optimizer, state.trainer)
+    assert resumed.step_count == 1
+    a, b = trainer.step(trajs, current_version=1), resumed.step(trajs, current_version=1)
+    assert a["loss/total"] == b["loss/total"]
+    assert all(torch.equal(p, q) for p, q in zip(trainer.model.parameters(), resumed.model.parameters()))
+
+
+def test_checkpoint_files_carry_sha256_for_the_manifest() -> None:
+    trainer, _ = _trained()
+    files = write_checkpoint(trainer.state_dict_for_checkpoint())
+    entries = file_entries(files)
+    manifest = CheckpointManifest(run="r", version=1, step=1, algorithm="grpo", files=entries, offsets={0: 5},
+                                  batch_ids=["b"], model_config=read_checkpoint(files).model_config)
+    verify_files(files, CheckpointManifest.from_json(manifest.to_json()).files)
+    tampered = {**files, "model.safetensors": files["model.safetensors"][:-1] + b"\0"}
+    with pytest.raises(IntegrityError):
+        verify_files(tampered, entries)
+
+
+def test_checkpoint_of_another_model_is_refused() -> None:
+    trainer, _ = _trained()
+    state = read_checkpoint(write_checkpoint(trainer.state_dict_for_checkpoint()))
+    other = Trainer(build_policy(layers=1, width=64, heads=4, seed=0), TrainConfig())
+    with pytest.raises(CheckpointError):
+        other.load_checkpoint_state(state.model, state.optimizer)
+    with pytest.raises(CheckpointError, match="lacks"):
+        read_checkpoint({"model.safetensors": b""})
+
+
+def test_policy_builds_from_a_local_dir(tmp_path: Path) -> None:
+    trainer, _ = _trained()
+    write_dir(write_checkpoint(trainer.state_dict_for_checkpoint()), tmp_path)
+    policy = build_policy(tmp_path)
+    reference = frozen_reference(policy)
+    ids = torch.tensor([byte_ids("dir")])
+    attn = torch.ones_like(ids)
+    expected = token_logprobs(trainer.model, ids, attn)
+    assert torch.allclose(token_logprobs(reference, ids, attn), expected)
+    assert policy.training and not reference.training
+    assert not any(p.requires_grad for p in reference.parameters())
