@@ -57,7 +57,8 @@ def partition_count(settings: Settings, topic: str, timeout: float = 10.0) -> in
 
 
 def delete_topics(settings: Settings, names: list[str], timeout: float = 30.0) -> None:
-    for fut in admin(settings).delete_topics(names, operation_timeout=timeout).values():
+    client = admin(settings)  # held until the futures resolve: a collected client fails them with _DESTROY
+    for fut in client.delete_topics(names, operation_timeout=timeout).values():
         try:
             fut.result()
         except KafkaException as exc:

@@ -54,6 +54,22 @@ def fetch_verified(store: ObjectStore, event: CheckpointPublished) -> VerifiedCh
     return VerifiedCheckpoint(event.version, load_safetensors(data), event)
 
 
+def find_announcement(settings: Settings, topics: Topics, version: Optional[int]) -> CheckpointPublished:
+    """The announcement of `version` (None: the newest) on a namespace's checkpoint topic."""
+    from infra.kafka import read_topic
+
+    events = []
+    for msg in read_topic(settings, topics.checkpoints):
+        try:
+            events.append(codec.decode(msg.value() or b"", expect=CheckpointPublished))
+        except DecodeError:
+            continue
+    matches = [e for e in events if version is None or e.version == version]
+    if not matches:
+        raise CheckpointError(f"{topics.checkpoints} has no checkpoint {'at all' if version is None else f'v{version}'}")
+    return max(matches, key=lambda e: e.version)
+
+
 class CheckpointFollower:
     """Keeps the newest published version known and the newest verified checkpoint ready to load."""
 

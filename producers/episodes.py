@@ -177,6 +177,9 @@ class EpisodeRunner:
             assert result is not None
             text = feedback_text(ep.task, result)
             tokens = self.backend.tokenizer.encode(text)
+            if len(ep.context) + len(tokens) + self.settings.max_new_tokens > self.max_context:
+                self._end(ep, "truncated", "context length")
+                continue
             ep.context += tokens
             obs[ep.episode_id] = (text, tokens)
             still.append(ep)
@@ -194,6 +197,4 @@ class EpisodeRunner:
             return ("aborted", "worker stopping")
         if ep.turn >= self.max_turns(ep.task):
             return ("truncated", "max_new_tokens") if truncated else ("completed", f"failed after {ep.turn} turns")
-        if len(ep.context) + self.settings.max_new_tokens + 256 > self.max_context:
-            return ("truncated", "context length")
         return None

@@ -30,6 +30,8 @@ class WorkerSettings:
     seed: int = 0
     follow_checkpoints: bool = True
     curriculum_min_attempts: int = 0  # 0: no curriculum
+    split: str = "train"  # train | heldout | all: held-out tasks are for evaluation only
+    init_checkpoint: str | None = None  # "NS:VERSION" or "NS:latest": start from that published checkpoint
     layers: int = 4  # size of the small model when no --model-dir is given
     width: int = 256
 
@@ -87,6 +89,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-follow", action="store_true", help="do not hot-load published checkpoints")
     p.add_argument("--curriculum", type=int, default=0, help="skip tasks always/never solved after N attempts")
+    p.add_argument("--split", default="train", choices=["train", "heldout", "all"],
+                   help="which side of the stable task split to draw from (heldout: evaluation)")
+    p.add_argument("--init-checkpoint", default=None, help="NS:VERSION or NS:latest, loaded and verified at start")
     p.add_argument("--layers", type=int, default=4, help="layers of the small model (without --model-dir)")
     p.add_argument("--width", type=int, default=256, help="width of the small model (without --model-dir)")
     return p
@@ -103,5 +108,5 @@ def from_args(argv: list[str] | None = None) -> WorkerSettings:
         temperature=args.temperature, max_new_tokens=args.max_new_tokens, max_policy_lag=args.max_policy_lag,
         sandbox=args.sandbox, sandbox_workers=args.sandbox_workers, episodes=args.episodes, seed=args.seed,
         follow_checkpoints=not args.no_follow, curriculum_min_attempts=args.curriculum,
-        layers=args.layers, width=args.width,
+        split=args.split, init_checkpoint=args.init_checkpoint, layers=args.layers, width=args.width,
     )

@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence
 
 from infra.objectstore import ObjectStore
 from infra.settings import Settings
-from producers.checkpoints import CheckpointFollower
+from producers.checkpoints import CheckpointFollower, fetch_verified, find_announcement
 from producers.episodes import EpisodeRunner, StepSummary
 from producers.feeds import TaskStatsFollower
 from producers.policy import make_backend
@@ -24,7 +24,10 @@ from producers.sandbox_runner import SandboxCodeRunner
 from producers.settings import WorkerSettings
 from producers.tasks import Curriculum, TaskMixer
 from producers.tasks.sources import seeded_source
+from producers.tasks.split import SplitSource
+from schemas.errors import ConfigError
 from schemas.models import tiny_llama_config
+from schemas.topics import Topics
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,11 @@ class WorkerStats:
             self.statuses[k] = self.statuses.get(k, 0) + v
 
 
+def context_limit(backend: PolicyBackend, default: int = 2048) -> int:
+    config = getattr(getattr(backend, "model", None), "config", None)
+    return int(getattr(config, "max_position_embeddings", default) or default)
+
+
 class RolloutWorker:
     def __init__(self, settings: WorkerSettings, platform: Settings,
                  backend: Optional[PolicyBackend] = None) -> None:
@@ -61,9 +69,12 @@ class RolloutWorker:
         self.mixer = self._mixer()
         self.follower = CheckpointFollower(platform, settings.topics, self.store)
         self.task_feed = TaskStatsFollower(platform, settings.topics, self.mixer.stats)
-        self.runner = EpisodeRunner(self.backend, self.code_runner, self.sink.emit, settings, self.stopping)
+        self.runner = EpisodeRunner(self.backend, self.code_runner, self.sink.emit, settings, self.stopping,
+                                    max_context=context_limit(self.backend))
         self.stats = WorkerStats()
         self._stop = False
+        if settings.init_checkpoint:
+            self.load_initial(platform, settings.init_checkpoint)
 
     def _backend(self) -> PolicyBackend:
         s = self.settings
@@ -73,9 +84,19 @@ class RolloutWorker:
 
     def _mixer(self) -> TaskMixer:
         s = self.settings
-        sources = [seeded_source(name, s.seed) for name in s.sources]
+        sources = [SplitSource(seeded_source(name, s.seed), s.split) for name in s.sources]
         curriculum = Curriculum(s.curriculum_min_attempts) if s.curriculum_min_attempts else None
         return TaskMixer(sources, s.weights or None, seed=s.seed, curriculum=curriculum)
+
+    def load_initial(self, platform: Settings, spec: str) -> None:
+        """Start from a published checkpoint (evaluation of a version, or a warm fleet restart)."""
+        ns, _, version = spec.rpartition(":")
+        if not ns:
+            raise ConfigError(f"--init-checkpoint {spec!r}: write NS:VERSION or NS:latest")
+        event = find_announcement(platform, Topics(ns), None if version == "latest" else int(version))
+        ready = fetch_verified(self.store, event)
+        self.backend.load_weights(ready.weights, ready.version)
+        self.stats.versions_loaded.append(ready.version)
 
     def stopping(self) -> bool:
         return self._stop

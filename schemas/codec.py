@@ -129,7 +129,7 @@ class Codec:
         if buf.tell() != len(data):
             raise DecodeError("schema_mismatch", f"{len(data) - buf.tell()} bytes left after {writer.name}", f"byte {buf.tell()}")
         try:
-            return from_avro(cls, fields)
+            return from_avro(cls, fields)  # type: ignore[arg-type]
         except (TypeError, KeyError, ValueError) as exc:
             raise DecodeError("schema_mismatch", f"{writer.name}: {exc}") from exc
 

@@ -79,4 +79,5 @@ REASONS = (
     "unknown_episode",
     "claim_unavailable",
     "reward_error",
+    "processing_error",  # an unexpected failure on this record (a bug): it is set aside, the worker goes on
 )

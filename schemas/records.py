@@ -127,6 +127,7 @@ class Trajectory:
     source_offsets: tuple[SourcePosition, ...]
     started_ts: int
     ended_ts: int
+    group_size: int = 0
 
 
 @dataclass(frozen=True)

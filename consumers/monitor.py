@@ -1,0 +1,297 @@
+"""Taps every topic of a namespace: a live terminal view, a Prometheus /metrics endpoint, and PNG reports.
+
+    python -m consumers.monitor --ns run1                              # live view, /metrics on :9108
+    python -m consumers.monitor --ns run1 --no-tui --port 9200         # headless exporter
+    python -m consumers.monitor --ns run1 --duration 60 --report out/  # then plots and out/summary.md
+
+The monitor reads in its own consumer group (<ns>.monitor) from the beginning of each topic, so its totals
+count everything the topics hold (--resume starts from its last commit instead). Consumer lag covers every
+group whose name contains the namespace; the figures are computed in consumers.monitoring.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, ConsumerGroupTopicPartitions, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, OffsetSpec
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from consumers.monitoring import PipelineStats, consumer_lag, sparkline
+from infra.kafka import admin, consumer
+from infra.settings import Settings
+from schemas.errors import PipelineError
+from schemas.topics import Topics
+
+log = logging.getLogger("consumers.monitor")
+LAG_EVERY_S = 5.0
+COMMIT_EVERY_S = 10.0
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def pipeline_topics(topics: Topics) -> list[str]:
+    """The topics the monitor taps: every data topic of the namespace (not the streams app's changelogs)."""
+    return [topics.events, topics.deadletter, topics.trajectories, topics.scored, topics.batches,
+            topics.checkpoints, topics.metrics, topics.task_stats]
+
+
+def group_lags(client: AdminClient, ns: str, timeout: float = 10.0) -> dict[tuple[str, str], int]:
+    """(group, topic) -> lag for every consumer group named after the namespace that committed on its topics."""
+    listing = client.list_consumer_groups(request_timeout=timeout).result()
+    groups = sorted(g.group_id for g in listing.valid if ns in g.group_id)
+    committed: dict[str, dict[tuple[str, int], int]] = {}
+    for group in groups:
+        result = client.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)],
+                                                    request_timeout=timeout)[group].result()
+        mine = {(tp.topic, tp.partition): tp.offset for tp in result.topic_partitions or []
+                if tp.topic.startswith(ns + ".")}
+        if mine:
+            committed[group] = mine
+    ends = watermarks(client, {tp for offsets in committed.values() for tp in offsets}, timeout)
+    return {(group, topic): lag for group, offsets in committed.items()
+            for topic, lag in consumer_lag(offsets, ends).items()}
+
+
+def watermarks(client: AdminClient, partitions: set[tuple[str, int]],
+               timeout: float) -> dict[tuple[str, int], tuple[int, int]]:
+    if not partitions:
+        return {}
+    tps = [TopicPartition(t, p) for t, p in sorted(partitions)]
+    lows = client.list_offsets({tp: OffsetSpec.earliest() for tp in tps}, request_timeout=timeout)
+    highs = client.list_offsets({tp: OffsetSpec.latest() for tp in tps}, request_timeout=timeout)
+    out = {}
+    for tp in tps:
+        try:
+            out[(tp.topic, tp.partition)] = (lows[tp].result().offset, highs[tp].result().offset)
+        except KafkaException:
+            continue  # a topic deleted since the group committed on it
+    return out
+
+
+class StatsCollector(Collector):
+    """Exposes a PipelineStats at scrape time, under the monitor's lock."""
+
+    def __init__(self, stats: PipelineStats, lock: threading.Lock) -> None:
+        self.stats = stats
+        self.lock = lock
+
+    def collect(self) -> Iterator[Metric]:
+        with self.lock:
+            yield from self._families(self.stats)
+
+    @staticmethod
+    def _families(s: PipelineStats) -> Iterator[Metric]:
+        def family(kind: Any, name: str, doc: str, labels: list[str], rows: Any) -> Metric:
+            f = kind(name, doc, labels=labels)
+            for key, value in rows:
+                f.add_metric(list(key) if isinstance(key, tuple) else [key], value)
+            return f  # type: ignore[no-any-return]
+
+        yield family(CounterMetricFamily, "trajpipe_events", "Records read per topic", ["topic"],
+                     s.events_total.items())
+        yield family(CounterMetricFamily, "trajpipe_undecodable", "Records that did not decode, per topic",
+                     ["topic"], s.undecodable.items())
+        yield family(GaugeMetricFamily, "trajpipe_throughput", "Records per second over the last 30 s of record time",
+                     ["topic"], s.rates(now_ms()).items())
+        yield family(CounterMetricFamily, "trajpipe_deadletter", "Dead letters per reason", ["reason"],
+                     s.deadletter_reasons.items())
+        yield family(CounterMetricFamily, "trajpipe_sandbox_outcomes", "Sandbox results per outcome", ["outcome"],
+                     s.sandbox_outcomes.items())
+        yield family(CounterMetricFamily, "trajpipe_scored_trajectories", "Scored trajectories per domain",
+                     ["domain"], ((d, w.n) for d, w in s.reward.items()))
+        yield family(GaugeMetricFamily, "trajpipe_reward_mean", "Mean reward of scored trajectories", ["domain"],
+                     ((d, w.mean) for d, w in s.reward.items()))
+        yield family(GaugeMetricFamily, "trajpipe_reward_std", "Reward standard deviation", ["domain"],
+                     ((d, w.std) for d, w in s.reward.items()))
+        yield family(GaugeMetricFamily, "trajpipe_consumer_lag", "Records a group has not committed yet",
+                     ["group", "topic"], s.consumer_lags.items())
+        yield family(GaugeMetricFamily, "trajpipe_policy_version", "Newest policy version seen", ["source"],
+                     [("checkpoint", s.newest_checkpoint), ("trajectory", s.newest_trajectory_version)])
+        mean, worst = s.policy_lag()
+        yield family(GaugeMetricFamily, "trajpipe_policy_lag", "Versions between the newest checkpoint and recent "
+                     "trajectories", ["stat"], [("mean", mean), ("max", worst)])
+        yield family(GaugeMetricFamily, "trajpipe_learner", "Latest learner figure (loss/*)", ["name"],
+                     s.latest_learner().items())
+
+
+def dashboard(s: PipelineStats) -> Table:
+    """The live view: one small table per figure, in two columns."""
+    rates = s.rates(now_ms())
+    short = len(s.topics.ns) + 1  # names without the namespace, which the title carries
+    flow = Table("topic", "records", "rec/s", title=f"throughput of {s.topics.ns}")
+    for topic in sorted(s.events_total):
+        flow.add_row(topic[short:], f"{s.events_total[topic]:,}", f"{rates.get(topic, 0.0):,.1f}")
+    lag = Table("group", "topic", "lag", title="consumer lag")
+    for (group, topic), n in sorted(s.consumer_lags.items()):
+        lag.add_row(group, topic[short:], f"{n:,}")
+    reward = Table("domain", "n", "mean", "std", "trend", title="reward")
+    for domain, w in sorted(s.reward.items()):
+        reward.add_row(domain, f"{w.n:,}", f"{w.mean:.3f}", f"{w.std:.3f}", sparkline(s.reward_trend(domain)))
+    mean, worst = s.policy_lag()
+    policy = Table("checkpoint", "trajectory", "lag mean", "lag max", title="newest policy versions")
+    policy.add_row(str(s.newest_checkpoint), str(s.newest_trajectory_version), f"{mean:.2f}", str(worst))
+    grid = Table.grid(padding=(0, 2))
+    grid.add_row(Group(flow, lag, policy), Group(reward, counts_table("sandbox outcomes", s.sandbox_outcomes),
+                                                 counts_table("dead letters", s.deadletter_reasons),
+                                                 counts_table("learner", s.latest_learner(), "{:.4f}")))
+    return grid
+
+
+def counts_table(title: str, counts: Any, fmt: str = "{:,}") -> Table:
+    table = Table("name", "value", title=title)
+    for name, value in sorted(counts.items()):
+        table.add_row(name, fmt.format(value))
+    return table
+
+
+class Monitor:
+    """Reads the pipeline topics into a PipelineStats, refreshes consumer lag, commits its own position."""
+
+    def __init__(self, settings: Settings, ns: str, group: Optional[str] = None, resume: bool = False) -> None:
+        self.settings = settings
+        self.topics = Topics(ns)
+        self.group = group or f"{ns}.monitor"
+        self.stats = PipelineStats(self.topics)
+        self.lock = threading.Lock()
+        self.admin = admin(settings)
+        self.consumer: Consumer = consumer(settings, self.group)
+        self.resume = resume
+        self._last_lag = self._last_commit = 0.0
+        self.assigned: set[str] = set()
+
+    def assign_new_topics(self) -> None:
+        """Tap the pipeline topics that exist (and pick up ones created later)."""
+        present = self.admin.list_topics(timeout=10).topics
+        new = [t for t in pipeline_topics(self.topics) if t in present and t not in self.assigned]
+        if not new:
+            return
+        tps = [TopicPartition(t, p) for t in new for p in present[t].partitions]
+        if self.resume:
+            tps = [tp if tp.offset >= 0 else TopicPartition(tp.topic, tp.partition, OFFSET_BEGINNING)
+                   for tp in self.consumer.committed(tps, timeout=10)]
+        else:
+            tps = [TopicPartition(tp.topic, tp.partition, OFFSET_BEGINNING) for tp in tps]
+        self.consumer.incremental_assign(tps)
+        self.assigned.update(new)
+
+    def poll(self, timeout: float = 0.2) -> int:
+        msgs = self.consumer.consume(num_messages=2000, timeout=timeout)
+        with self.lock:
+            for msg in msgs:
+                if msg.error():
+                    log.warning("consume error: %s", msg.error())
+                    continue
+                self.stats.observe(msg.topic() or "", msg.timestamp()[1], msg.value())
+        return len(msgs)
+
+    def refresh_lag(self) -> None:
+        try:
+            lags = group_lags(self.admin, self.topics.ns)
+        except KafkaException as exc:
+            log.warning("consumer lag unavailable: %s", exc)
+            return
+        with self.lock:
+            self.stats.set_consumer_lag(now_ms(), lags)
+
+    def commit(self) -> None:
+        try:
+            self.consumer.commit(asynchronous=True)
+        except KafkaException:
+            pass  # nothing consumed yet
+
+    def tick(self) -> None:
+        """One round: read, and on their schedules refresh lag, look for new topics, commit."""
+        self.poll()
+        now = time.monotonic()
+        if now - self._last_lag >= LAG_EVERY_S:
+            self._last_lag = now
+            self.assign_new_topics()
+            self.refresh_lag()
+        if now - self._last_commit >= COMMIT_EVERY_S:
+            self._last_commit = now
+            self.commit()
+
+    def close(self) -> None:
+        self.commit()
+        self.consumer.close()
+
+
+def serve_metrics(monitor: Monitor, port: int, addr: str = "0.0.0.0") -> Any:
+    """Start /metrics on `port` (0 picks a free one); returns the server (its server_port says which)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector(monitor.stats, monitor.lock))
+    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    return server
+
+
+def run(monitor: Monitor, duration: Optional[float], tui: bool, stop: threading.Event) -> None:
+    deadline = None if duration is None else time.monotonic() + duration
+    console = Console()
+    live = Live(dashboard(monitor.stats), console=console, refresh_per_second=2) if tui else None
+    if live is not None:
+        live.start()
+    try:
+        while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
+            monitor.tick()
+            if live is not None:
+                with monitor.lock:
+                    live.update(dashboard(monitor.stats))
+    finally:
+        if live is not None:
+            live.stop()
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m consumers.monitor", description=__doc__.splitlines()[0])
+    p.add_argument("--ns", required=True)
+    p.add_argument("--port", type=int, default=9108, help="Prometheus /metrics port (0: any free port)")
+    p.add_argument("--addr", default="0.0.0.0", help="address /metrics listens on")
+    p.add_argument("--no-tui", action="store_true", help="no live terminal view")
+    p.add_argument("--report", type=Path, help="on exit, write PNG plots and summary.md into this directory")
+    p.add_argument("--duration", type=float, help="exit after this many seconds")
+    p.add_argument("--group", help="consumer group (default <ns>.monitor)")
+    p.add_argument("--resume", action="store_true", help="start from the group's commits, not the beginning")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        monitor = Monitor(Settings.from_env(), args.ns, args.group, args.resume)
+        server = serve_metrics(monitor, args.port, args.addr)
+        print(f"monitor: /metrics on port {server.server_port}", file=sys.stderr, flush=True)
+        try:
+            run(monitor, args.duration, not args.no_tui, stop)
+        finally:
+            monitor.close()
+            server.shutdown()
+    except PipelineError as exc:
+        print(f"monitor: {exc}", file=sys.stderr)
+        return 1
+    if args.report:
+        from consumers.report import write_report  # matplotlib only when a report is asked for
+
+        print(f"monitor: report in {write_report(monitor.stats, args.report)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""The monitor's figures, folded from the records of a namespace's topics; pure, so tests need no broker.
+
+    stats = PipelineStats(Topics("run1"))
+    stats.observe(topic, timestamp_ms, value_bytes)      # every record of every pipeline topic
+    stats.set_consumer_lag(now_ms, {("run1.streams", "run1.rollout.events"): 12})
+    stats.rates(now_ms)["run1.rollout.events"]           # events/s over the last 30 s of record time
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from schemas.codec import codec
+from schemas.errors import DecodeError
+from schemas.records import (
+    CheckpointPublished,
+    DeadLetter,
+    PipelineMetric,
+    RolloutEvent,
+    SandboxResult,
+    Trajectory,
+)
+from schemas.topics import Topics
+
+BUCKET_MS = 10_000
+KEEP_BUCKETS = 8_640  # a day of 10 s buckets
+KEEP_POINTS = 10_000
+RECENT = 1_000  # trajectories the policy-lag figures look back over
+LEARNER_SOURCE = "learner"
+LOSS_PREFIX = "loss/"
+
+
+@dataclass
+class Welford:
+    """Running mean and variance in one pass (numerically stable)."""
+
+    n: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        delta = x - self.mean
+        self.mean += delta / self.n
+        self.m2 += delta * (x - self.mean)
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / self.n) if self.n > 1 else 0.0
+
+
+def bucket_of(ms: int, bucket_ms: int = BUCKET_MS) -> int:
+    return ms - ms % bucket_ms
+
+
+def trajectory_version(t: Trajectory) -> int:
+    """The oldest policy that wrote any turn of the trajectory: what its staleness is measured by."""
+    return min((turn.policy_version for turn in t.turns), default=0)
+
+
+def consumer_lag(committed: dict[tuple[str, int], int], ends: dict[tuple[str, int], tuple[int, int]]) -> dict[str, int]:
+    """Lag per topic of one group: records between its committed offset and the end, summed over partitions."""
+    lag: dict[str, int] = {}
+    for (topic, partition), offset in committed.items():
+        if (topic, partition) not in ends:
+            continue
+        low, high = ends[(topic, partition)]
+        position = offset if offset >= 0 else low  # no commit yet: everything still there is unread
+        lag[topic] = lag.get(topic, 0) + max(0, high - max(position, low))
+    return lag
+
+
+@dataclass
+class PipelineStats:
+    topics: Topics
+    bucket_ms: int = BUCKET_MS
+    events_total: Counter[str] = field(default_factory=Counter)
+    undecodable: Counter[str] = field(default_factory=Counter)
+    throughput: dict[str, dict[int, int]] = field(default_factory=dict)  # topic -> bucket start -> records
+    reward: dict[str, Welford] = field(default_factory=dict)  # domain ->
+    reward_by_version: dict[tuple[str, int], Welford] = field(default_factory=dict)
+    reward_over_time: dict[str, dict[int, Welford]] = field(default_factory=dict)  # domain -> bucket ->
+    sandbox_outcomes: Counter[str] = field(default_factory=Counter)
+    deadletter_reasons: Counter[str] = field(default_factory=Counter)
+    newest_checkpoint: int = -1
+    newest_trajectory_version: int = -1
+    recent_policy_lag: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT))
+    learner: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # loss/* -> (time, value)
+    consumer_lags: dict[tuple[str, str], int] = field(default_factory=dict)  # (group, topic) -> lag
+    lag_over_time: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # group -> (time, total lag)
+
+    def __post_init__(self) -> None:
+        t = self.topics
+        self._handlers: dict[str, tuple[type, Callable[[Any, int], None]]] = {
+            t.events: (RolloutEvent, self._on_event),
+            t.deadletter: (DeadLetter, self._on_deadletter),
+            t.scored: (Trajectory, self._on_scored),
+            t.checkpoints: (CheckpointPublished, self._on_checkpoint),
+            t.metrics: (PipelineMetric, self._on_metric),
+        }
+
+    def observe(self, topic: str, timestamp_ms: int, value: Optional[bytes]) -> None:
+        """Count one record of `topic`, and fold its content when the topic carries figures."""
+        self.events_total[topic] += 1
+        per_bucket = self.throughput.setdefault(topic, {})
+        b = bucket_of(timestamp_ms, self.bucket_ms)
+        per_bucket[b] = per_bucket.get(b, 0) + 1
+        if len(per_bucket) > KEEP_BUCKETS:
+            del per_bucket[min(per_bucket)]
+        handler = self._handlers.get(topic)
+        if handler is None or value is None:
+            return
+        cls, fold = handler
+        try:
+            record = codec.decode(value, cls)
+        except DecodeError:
+            self.undecodable[topic] += 1
+            return
+        fold(record, timestamp_ms)
+
+    def _on_event(self, event: RolloutEvent, ts: int) -> None:
+        if isinstance(event.body, SandboxResult):
+            self.sandbox_outcomes[event.body.outcome] += 1
+
+    def _on_deadletter(self, record: DeadLetter, ts: int) -> None:
+        self.deadletter_reasons[record.reason] += 1
+
+    def _on_scored(self, t: Trajectory, ts: int) -> None:
+        version = trajectory_version(t)
+        self.reward.setdefault(t.domain, Welford()).add(t.reward)
+        self.reward_by_version.setdefault((t.domain, version), Welford()).add(t.reward)
+        over_time = self.reward_over_time.setdefault(t.domain, {})
+        over_time.setdefault(bucket_of(ts, self.bucket_ms), Welford()).add(t.reward)
+        if len(over_time) > KEEP_BUCKETS:
+            del over_time[min(over_time)]
+        self.newest_trajectory_version = max(self.newest_trajectory_version, max(
+            (turn.policy_version for turn in t.turns), default=0))
+        if self.newest_checkpoint >= 0:
+            self.recent_policy_lag.append(max(0, self.newest_checkpoint - version))
+
+    def _on_checkpoint(self, c: CheckpointPublished, ts: int) -> None:
+        self.newest_checkpoint = max(self.newest_checkpoint, c.version)
+
+    def _on_metric(self, m: PipelineMetric, ts: int) -> None:
+        if m.source == LEARNER_SOURCE and m.name.startswith(LOSS_PREFIX):
+            points = self.learner.setdefault(m.name, [])
+            points.append((m.window_end or ts, m.value))
+            del points[:-KEEP_POINTS]
+
+    def set_consumer_lag(self, now_ms: int, lags: dict[tuple[str, str], int]) -> None:
+        self.consumer_lags = dict(lags)
+        totals: dict[str, int] = {}
+        for (group, _topic), lag in lags.items():
+            totals[group] = totals.get(group, 0) + lag
+        for group, total in totals.items():
+            points = self.lag_over_time.setdefault(group, [])
+            points.append((now_ms, total))
+            del points[:-KEEP_POINTS]
+
+    def rates(self, now_ms: int, window_s: float = 30.0) -> dict[str, float]:
+        """Records per second of each topic whose record time falls in the last `window_s` seconds."""
+        since = now_ms - int(window_s * 1000)
+        return {topic: sum(n for b, n in buckets.items() if b + self.bucket_ms > since) / window_s
+                for topic, buckets in self.throughput.items()}
+
+    def policy_lag(self) -> tuple[float, int]:
+        """(mean, max) versions between the newest checkpoint and recent trajectories' oldest turn."""
+        lags = self.recent_policy_lag
+        return (sum(lags) / len(lags), max(lags)) if lags else (0.0, 0)
+
+    def latest_learner(self) -> dict[str, float]:
+        return {name: points[-1][1] for name, points in sorted(self.learner.items()) if points}
+
+    def reward_trend(self, domain: str, last: int = 20) -> list[float]:
+        """Mean reward of the domain's last `last` time buckets that hold any trajectory."""
+        buckets = self.reward_over_time.get(domain, {})
+        return [buckets[b].mean for b in sorted(buckets)[-last:]]
+
+
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float]) -> str:
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    span = hi - lo
+    return "".join(SPARKS[int((v - lo) / span * (len(SPARKS) - 1)) if span else len(SPARKS) // 2] for v in values)

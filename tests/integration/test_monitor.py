@@ -1,0 +1,133 @@
+"""The monitor as a process: its /metrics figures equal counts taken from the topics here, and its report."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from confluent_kafka import TopicPartition
+from prometheus_client.parser import text_string_to_metric_families
+
+from consumers.report import PLOTS
+from infra.kafka import consumer, read_topic
+from infra.settings import Settings
+from schemas import codec
+from schemas.records import CheckpointPublished, DeadLetter, PipelineMetric, SandboxResult, Trajectory
+from schemas.topics import Topics
+from tests.conftest import ROOT
+from tests.taps import episode, produce, publish, trajectory, turn
+
+pytestmark = pytest.mark.integration
+T0 = 1_700_000_000_000
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape(port: int) -> Samples:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def fill(stack: Settings, topics: Topics) -> None:
+    outcomes = ["passed", "failed", "timeout", "failed", "syntax_error"]
+    produce(stack, topics.events, [e for i, o in enumerate(outcomes) for e in episode(f"ep-{i}", T0, outcome=o)])
+    publish(stack, topics.deadletter, [DeadLetter(reason=r, detail="", stage="clean", source_topic=topics.events,
+                                                  partition=0, offset=i, key=None, original=b"", ts=T0)
+                                       for i, r in enumerate(["bad_magic", "truncated", "bad_magic"])])
+    rewards = [("math", 1.0, 1), ("math", 0.0, 2), ("math", 0.25, 2), ("code", 0.5, 1), ("code", 0.75, 3)]
+    publish(stack, topics.scored, [trajectory(f"s{i}", r, domain=d, group_id=f"g{i}", turns=[turn(" 4", version=v)])
+                                   for i, (d, r, v) in enumerate(rewards)])
+    publish(stack, topics.checkpoints, [CheckpointPublished(run="r", version=3, step=30, bucket="b", prefix="p",
+                                                            manifest_key="m", manifest_sha256="s", algorithm="grpo",
+                                                            batch_ids=(), ts=T0)], key=b"r")
+    publish(stack, topics.metrics, [PipelineMetric(source="learner", name="loss/policy", value=v, window_end=T0 + i)
+                                    for i, v in enumerate([0.9, 0.4])])
+
+
+def commit_streams_position(stack: Settings, topics: Topics, offset: int) -> str:
+    """A consumer group of the namespace that has read `offset` records of each events partition."""
+    group = f"{topics.ns}.streams"
+    c = consumer(stack, group)
+    c.commit(offsets=[TopicPartition(topics.events, p, offset) for p in range(topics.partitions)], asynchronous=False)
+    c.close()
+    return group
+
+
+def expected(stack: Settings, topics: Topics, group: str, offset: int) -> Samples:
+    """The same figures, counted here from the topics."""
+    out: Samples = {}
+    outcomes: Counter[str] = Counter()
+    ends: list[int] = []
+    for topic in (topics.events, topics.deadletter, topics.scored, topics.checkpoints, topics.metrics):
+        msgs = list(read_topic(stack, topic))
+        out[("trajpipe_events_total", (("topic", topic),))] = len(msgs)
+        if topic == topics.events:
+            bodies = [codec.decode(m.value()).body for m in msgs]
+            outcomes.update(b.outcome for b in bodies if isinstance(b, SandboxResult))
+            per_partition = Counter(m.partition() for m in msgs)
+            ends = [per_partition[p] for p in range(topics.partitions)]
+        if topic == topics.deadletter:
+            for reason, n in Counter(codec.decode(m.value(), DeadLetter).reason for m in msgs).items():
+                out[("trajpipe_deadletter_total", (("reason", reason),))] = n
+        if topic == topics.scored:
+            by_domain: dict[str, list[float]] = {}
+            for m in msgs:
+                t = codec.decode(m.value(), Trajectory)
+                by_domain.setdefault(t.domain, []).append(t.reward)
+            for domain, values in by_domain.items():
+                out[("trajpipe_reward_mean", (("domain", domain),))] = statistics.fmean(values)
+                out[("trajpipe_reward_std", (("domain", domain),))] = statistics.pstdev(values)
+                out[("trajpipe_scored_trajectories_total", (("domain", domain),))] = len(values)
+    for outcome, n in outcomes.items():
+        out[("trajpipe_sandbox_outcomes_total", (("outcome", outcome),))] = n
+    out[("trajpipe_consumer_lag", (("group", group), ("topic", topics.events)))] = sum(max(0, e - offset) for e in ends)
+    out[("trajpipe_policy_version", (("source", "checkpoint"),))] = 3
+    out[("trajpipe_learner", (("name", "loss/policy"),))] = 0.4
+    return out
+
+
+def mismatches(want: Samples, got: Samples) -> dict[str, tuple[float, object]]:
+    return {f"{k[0]}{dict(k[1])}": (v, got.get(k)) for k, v in want.items()
+            if got.get(k) is None or abs(got[k] - v) > 1e-9}
+
+
+@pytest.mark.slow
+def test_metrics_match_counts_taken_from_the_topics(stack: Settings, topics: Topics, tmp_path: Path) -> None:
+    fill(stack, topics)
+    group = commit_streams_position(stack, topics, offset=3)
+    want = expected(stack, topics, group, offset=3)
+    port = free_port()
+    report = tmp_path / "report"
+    proc = subprocess.Popen([sys.executable, "-m", "consumers.monitor", "--ns", topics.ns, "--port", str(port),
+                             "--addr", "127.0.0.1", "--no-tui", "--duration", "120", "--report", str(report)],
+                            cwd=ROOT, env={**os.environ, **stack.as_env()}, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, diff = time.monotonic() + 90, {"not scraped": (0.0, None)}
+        while diff and time.monotonic() < deadline:
+            time.sleep(1.0)
+            try:
+                diff = mismatches(want, scrape(port))
+            except OSError:
+                continue
+        assert not diff, diff
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    summary = (report / "summary.md").read_text()
+    assert all((report / name).stat().st_size > 0 for name in PLOTS)
+    assert "| bad_magic | 2 |" in summary and f"| {group} | {topics.events} |" in summary

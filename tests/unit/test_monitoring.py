@@ -1,0 +1,147 @@
+"""The monitor's figures without a broker: folding records, lag, rates, the Prometheus view, the report."""
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from consumers.monitor import StatsCollector, dashboard
+from consumers.monitoring import PipelineStats, Welford, consumer_lag, sparkline, trajectory_version
+from consumers.report import PLOTS, write_report
+from schemas import codec
+from schemas.records import CheckpointPublished, DeadLetter, PipelineMetric
+from schemas.topics import Topics
+from tests.taps import episode, trajectory, turn
+
+T0 = 1_700_000_000_000
+TOPICS = Topics("mon")
+
+
+def checkpoint(version: int) -> bytes:
+    return codec.encode(CheckpointPublished(run="r", version=version, step=version, bucket="b", prefix="p",
+                                            manifest_key="m", manifest_sha256="s", algorithm="grpo", batch_ids=(),
+                                            ts=T0))
+
+
+def dead(reason: str) -> bytes:
+    return codec.encode(DeadLetter(reason=reason, detail="", stage="clean", source_topic="x", partition=0, offset=0,
+                                   key=None, original=b"", ts=T0))
+
+
+def metric(name: str, value: float, source: str = "learner", at: int = T0) -> bytes:
+    return codec.encode(PipelineMetric(source=source, name=name, value=value, window_end=at))
+
+
+def filled() -> PipelineStats:
+    s = PipelineStats(TOPICS)
+    for i, outcome in enumerate(["passed", "failed", "failed"]):
+        for ev in episode(f"e{i}", T0, outcome=outcome):
+            s.observe(TOPICS.events, ev.ts, codec.encode(ev))
+    s.observe(TOPICS.checkpoints, T0, checkpoint(3))
+    rewards = {"math": [1.0, 0.0, 0.5], "code": [0.2]}
+    for domain, values in rewards.items():
+        for i, r in enumerate(values):
+            t = trajectory(f"{domain}{i}", r, domain=domain, turns=[turn(" 4", version=i), turn(" 5", version=i + 1)])
+            s.observe(TOPICS.scored, T0 + 10_000 * i, codec.encode(t))
+    for reason in ("bad_magic", "bad_magic", "truncated"):
+        s.observe(TOPICS.deadletter, T0, dead(reason))
+    s.observe(TOPICS.metrics, T0, metric("loss/policy", 0.7, at=T0))
+    s.observe(TOPICS.metrics, T0, metric("loss/policy", 0.5, at=T0 + 1))
+    s.observe(TOPICS.metrics, T0, metric("loss/policy", 9.0, source="streams"))
+    s.observe(TOPICS.metrics, T0, metric("rollout/reward_mean", 9.0))
+    s.observe(TOPICS.scored, T0, b"\xc3\x01junk")
+    return s
+
+
+def test_counts_outcomes_reasons_and_rewards() -> None:
+    s = filled()
+    assert s.events_total[TOPICS.events] == 12 and s.events_total[TOPICS.scored] == 5
+    assert s.sandbox_outcomes == {"passed": 1, "failed": 2}
+    assert s.deadletter_reasons == {"bad_magic": 2, "truncated": 1}
+    assert s.undecodable == {TOPICS.scored: 1}
+    assert s.reward["math"].n == 3 and abs(s.reward["math"].mean - 0.5) < 1e-12
+    assert abs(s.reward["math"].std - statistics.pstdev([1.0, 0.0, 0.5])) < 1e-12
+    assert {k: w.mean for k, w in s.reward_by_version.items()} == {("math", 0): 1.0, ("math", 1): 0.0,
+                                                                   ("math", 2): 0.5, ("code", 0): 0.2}
+    assert s.latest_learner() == {"loss/policy": 0.5}  # only the learner's loss/* figures
+    assert s.reward_trend("math") == [1.0, 0.0, 0.5]
+
+
+def test_policy_lag_measures_the_oldest_turn_against_the_newest_checkpoint() -> None:
+    s = filled()
+    assert s.newest_checkpoint == 3 and s.newest_trajectory_version == 3
+    assert s.policy_lag() == ((3 + 2 + 1 + 3) / 4, 3)
+    t = trajectory("x", turns=[turn("a", version=4), turn("b", version=2)])
+    assert trajectory_version(t) == 2 and trajectory_version(replace(t, turns=())) == 0
+
+
+def test_welford_matches_statistics() -> None:
+    w, values = Welford(), [3.0, -1.5, 2.25, 8.0, 0.0]
+    for v in values:
+        w.add(v)
+    assert abs(w.mean - statistics.fmean(values)) < 1e-12 and abs(w.std - statistics.pstdev(values)) < 1e-12
+    assert Welford().std == 0.0
+
+
+def test_consumer_lag_sums_partitions_and_treats_no_commit_as_unread() -> None:
+    committed = {("t", 0): 5, ("t", 1): -1001, ("u", 0): 10, ("gone", 0): 3}
+    ends = {("t", 0): (0, 9), ("t", 1): (2, 6), ("u", 0): (0, 10)}
+    assert consumer_lag(committed, ends) == {"t": 4 + 4, "u": 0}
+    assert consumer_lag({("t", 0): 1}, {("t", 0): (5, 9)}) == {"t": 4}  # retention moved the start
+
+
+def test_rates_count_the_recent_window_of_record_time() -> None:
+    s = PipelineStats(TOPICS, bucket_ms=1000)
+    for i in range(60):
+        s.observe("x", T0 + i * 1000, None)
+    assert s.rates(T0 + 60_000, window_s=30) == {"x": 1.0}
+    assert s.rates(T0 + 600_000, window_s=30) == {"x": 0.0}
+
+
+def test_lag_history_and_sparkline() -> None:
+    s = PipelineStats(TOPICS)
+    s.set_consumer_lag(1, {("g", "a"): 2, ("g", "b"): 3, ("h", "a"): 0})
+    s.set_consumer_lag(2, {("g", "a"): 0})
+    assert s.lag_over_time == {"g": [(1, 5), (2, 0)], "h": [(1, 0)]}
+    assert s.consumer_lags == {("g", "a"): 0}
+    assert sparkline([0.0, 0.5, 1.0]) == "▁▄█" and sparkline([]) == "" and sparkline([2.0]) == "▅"
+
+
+def scrape(s: PipelineStats) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector(s, __import__("threading").Lock()))
+    text = generate_latest(registry).decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def test_prometheus_view_has_the_same_figures() -> None:
+    s = filled()
+    s.set_consumer_lag(T0, {("mon.streams", TOPICS.events): 7})
+    m = scrape(s)
+    assert m[("trajpipe_events_total", (("topic", TOPICS.events),))] == 12
+    assert m[("trajpipe_deadletter_total", (("reason", "bad_magic"),))] == 2
+    assert m[("trajpipe_sandbox_outcomes_total", (("outcome", "failed"),))] == 2
+    assert m[("trajpipe_reward_mean", (("domain", "math"),))] == 0.5
+    assert m[("trajpipe_scored_trajectories_total", (("domain", "code"),))] == 1
+    assert m[("trajpipe_consumer_lag", (("group", "mon.streams"), ("topic", TOPICS.events)))] == 7
+    assert m[("trajpipe_policy_version", (("source", "checkpoint"),))] == 3
+    assert m[("trajpipe_learner", (("name", "loss/policy"),))] == 0.5
+    assert m[("trajpipe_undecodable_total", (("topic", TOPICS.scored),))] == 1
+
+
+def test_dashboard_and_report_render(tmp_path: Path) -> None:
+    s = filled()
+    s.set_consumer_lag(T0, {("mon.streams", TOPICS.events): 7})
+    left, right = dashboard(s).columns[0]._cells[0], dashboard(s).columns[1]._cells[0]
+    assert len(left.renderables) + len(right.renderables) == 7
+    summary = write_report(s, tmp_path).read_text()
+    for name in PLOTS:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"({name})" in summary
+    assert "| bad_magic | 2 |" in summary and "| math | 3 | 0.5000 |" in summary
+    write_report(PipelineStats(TOPICS), tmp_path / "empty")  # nothing yet: still every file
+    assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == sorted([*PLOTS, "summary.md"])
