@@ -60,11 +60,10 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     return 0 if result["events_read_back_equal"] else 1
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    return subprocess.call([sys.executable, "-m", "infra.demo", *args.rest])
-
-
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:  # its own options: see `python -m infra demo --help`
+        return subprocess.call([sys.executable, "-m", "infra.demo", *argv[1:]])
     parser = argparse.ArgumentParser(prog="python -m infra", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn in (("up", cmd_up), ("down", cmd_down), ("status", cmd_status), ("fetch", cmd_fetch),
@@ -77,9 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("smoke", help="bring the stack up and run a round trip through it")
     p.add_argument("--ns", default=None)
     p.set_defaults(fn=cmd_smoke)
-    p = sub.add_parser("demo", help="the main job: every service as a process (see infra.demo --help)")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(fn=cmd_demo)
+    sub.add_parser("demo", help="the main job: every service as a process (python -m infra demo --help)")
     args = parser.parse_args(argv)
     try:
         return int(args.fn(args))

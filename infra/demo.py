@@ -75,7 +75,8 @@ def plan(args: argparse.Namespace, ns: str) -> list[Service]:
                for i in range(args.workers)]
     return [
         Service("streams", ["streams", "--ns", ns]),
-        Service("shard-writer", ["consumers.shard_writer", "--ns", ns]),
+        Service("shard-writer", ["consumers.shard_writer", "--ns", ns, "--max-trajectories",
+                                 str(args.batch_trajectories), "--max-age-s", "3"]),
         Service("learner", ["learner", "--ns", ns, "--sft-updates", str(args.sft_updates), "--algorithm", "grpo",
                             "--max-updates", str(args.updates), "--updates-per-checkpoint", "2", "--lr", str(args.lr),
                             *model]),
@@ -177,8 +178,8 @@ def evaluate(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def report(run: Run) -> int:
     env = {**os.environ, **run.settings.as_env()}
-    return subprocess.call([sys.executable, "-m", "consumers.monitor", "--ns", run.ns, "--no-tui", "--once",
-                            "--report", str(run.dir)], env=env, stdout=subprocess.DEVNULL)
+    return subprocess.call([sys.executable, "-m", "consumers.monitor", "--ns", run.ns, "--no-tui", "--duration", "5",
+                            "--port", "0", "--report", str(run.dir)], env=env, stdout=subprocess.DEVNULL)
 
 
 def healthy(run: Run, results: list[dict[str, Any]], how: str) -> list[str]:
@@ -201,8 +202,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--updates", type=int, default=40)
     p.add_argument("--sft-updates", type=int, default=6)
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--batch-trajectories", type=int, default=64, help="trajectories per shard (one update)")
+    p.add_argument("--max-new-tokens", type=int, default=6)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--minutes", type=float, default=20.0)

@@ -137,10 +137,16 @@ def skip_reason(trajectory: Trajectory, config: TrainConfig) -> str | None:
         return "other"
     if not any(turn.tokens for turn in trajectory.turns):
         return "empty"
-    # SFT imitates: only what completed and scored well is worth copying.
-    if config.algorithm == "sft" and (trajectory.status != "completed" or trajectory.reward < config.sft_min_reward):
+    # SFT imitates (rejection sampling): only what solved its task is worth copying.
+    if config.algorithm == "sft" and outcome(trajectory) < config.sft_min_reward:
         return "unsuccessful"
     return None
+
+
+def outcome(trajectory: Trajectory) -> float:
+    """How well the task was solved: the best `outcome/*` reward component, else the total reward."""
+    parts = [v for k, v in trajectory.reward_components.items() if k.startswith("outcome/")]
+    return max(parts) if parts else trajectory.reward
 
 
 def staleness_weight(lag: int, config: TrainConfig) -> float:

@@ -181,8 +181,14 @@ def test_unfinished_episodes_are_skipped_and_sft_keeps_only_successes() -> None:
     assert len(grpo.kept) == 3
     assert (grpo.counts["skipped/abandoned"], grpo.counts["skipped/aborted"], grpo.counts["skipped/error"]) == (1, 1, 1)
     sft = select_trajectories(trajs, 0, TrainConfig(algorithm="sft", sft_min_reward=1.0))
-    assert [t for t, _ in sft.kept] == trajs[-1:]
-    assert sft.counts["skipped/unsuccessful"] == 2
+    # rejection sampling keeps what solved its task, truncated or not; the 0.2 one did not
+    assert [t for t, _ in sft.kept] == [trajs[3], trajs[5]]
+    assert sft.counts["skipped/unsuccessful"] == 1
+    penalised = dataclasses.replace(trajs[5], reward=0.5, reward_components={"outcome/correct": 1.0,
+                                                                               "penalty/truncated": 1.0})
+    failed = dataclasses.replace(trajs[5], reward=0.1, reward_components={"outcome/correct": 0.0})
+    sft = select_trajectories([penalised, failed], 0, TrainConfig(algorithm="sft", sft_min_reward=1.0))
+    assert [t for t, _ in sft.kept] == [penalised]
 
 
 def test_a_step_with_nothing_to_train_does_not_update() -> None:
