@@ -66,12 +66,19 @@ def platform() -> Settings:
                     creds["MINIO_ROOT_PASSWORD"])
 
 
+def quota(args: argparse.Namespace) -> int:
+    """Episodes per worker per policy version: what two updates consume, plus a margin for dropped groups."""
+    per_version = args.batch_trajectories * 2 * 3 // 2 // args.workers
+    return max(args.group_size, per_version - per_version % args.group_size)
+
+
 def plan(args: argparse.Namespace, ns: str) -> list[Service]:
     model = ["--layers", str(args.layers), "--width", str(args.width)]
     workers = [Service(f"producer-{i}", ["producers", "--ns", ns, "--sources", args.sources, "--group-size",
                                          str(args.group_size), "--prompts-per-step", "4", "--max-new-tokens",
                                          str(args.max_new_tokens), "--producer-id", f"worker-{i}", "--seed", str(i),
-                                         "--max-policy-lag", "2", *model])
+                                         "--max-policy-lag", "1", "--max-episodes-per-version",
+                                         str(quota(args)), *model])
                for i in range(args.workers)]
     return [
         Service("streams", ["streams", "--ns", ns]),

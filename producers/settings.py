@@ -30,6 +30,8 @@ class WorkerSettings:
     seed: int = 0
     follow_checkpoints: bool = True
     curriculum_min_attempts: int = 0  # 0: no curriculum
+    max_episodes_per_version: int | None = None  # then wait (bounded) for a newer checkpoint: bounds staleness
+    quota_wait_s: float = 60.0
     split: str = "train"  # train | heldout | all: held-out tasks are for evaluation only
     init_checkpoint: str | None = None  # "NS:VERSION" or "NS:latest": start from that published checkpoint
     layers: int = 4  # size of the small model when no --model-dir is given
@@ -47,6 +49,8 @@ class WorkerSettings:
             (self.temperature > 0, "--temperature must be > 0 for RL: a greedy policy gives a group no variance"),
             (self.episodes is None or self.episodes >= 1, "--episodes must be >= 1 (or omit it to run forever)"),
             (self.backend != "vllm" or self.model_dir is not None, "--backend vllm needs --model-dir DIR"),
+            (self.max_episodes_per_version is None or self.max_episodes_per_version >= self.group_size,
+             "--max-episodes-per-version must be at least --group-size"),
         ]
         for ok, message in checks:
             if not ok:
@@ -89,6 +93,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-follow", action="store_true", help="do not hot-load published checkpoints")
     p.add_argument("--curriculum", type=int, default=0, help="skip tasks always/never solved after N attempts")
+    p.add_argument("--max-episodes-per-version", type=int, default=None,
+                   help="episodes generated with one policy version before waiting for a newer one")
+    p.add_argument("--quota-wait-s", type=float, default=60.0,
+                   help="longest wait for a newer version once the quota is used (no deadlock on a stalled learner)")
     p.add_argument("--split", default="train", choices=["train", "heldout", "all"],
                    help="which side of the stable task split to draw from (heldout: evaluation)")
     p.add_argument("--init-checkpoint", default=None, help="NS:VERSION or NS:latest, loaded and verified at start")
@@ -108,5 +116,6 @@ def from_args(argv: list[str] | None = None) -> WorkerSettings:
         temperature=args.temperature, max_new_tokens=args.max_new_tokens, max_policy_lag=args.max_policy_lag,
         sandbox=args.sandbox, sandbox_workers=args.sandbox_workers, episodes=args.episodes, seed=args.seed,
         follow_checkpoints=not args.no_follow, curriculum_min_attempts=args.curriculum,
+        max_episodes_per_version=args.max_episodes_per_version, quota_wait_s=args.quota_wait_s,
         split=args.split, init_checkpoint=args.init_checkpoint, layers=args.layers, width=args.width,
     )

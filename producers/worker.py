@@ -72,6 +72,7 @@ class RolloutWorker:
         self.runner = EpisodeRunner(self.backend, self.code_runner, self.sink.emit, settings, self.stopping,
                                     max_context=context_limit(self.backend))
         self.stats = WorkerStats()
+        self.episodes_this_version = 0
         self._stop = False
         if settings.init_checkpoint:
             self.load_initial(platform, settings.init_checkpoint)
@@ -110,6 +111,7 @@ class RolloutWorker:
         if ready is not None and (ready.version > self.backend.version or not self.stats.versions_loaded):
             self.backend.load_weights(ready.weights, ready.version)
             self.stats.versions_loaded.append(ready.version)
+            self.episodes_this_version = 0
             print(f"[{self.settings.producer_id}] loaded policy v{ready.version}", file=sys.stderr, flush=True)
 
     def wait_until_fresh(self) -> None:
@@ -120,15 +122,35 @@ class RolloutWorker:
             time.sleep(0.2)
         self.stats.paused_s += time.monotonic() - started
 
+    def wait_for_quota(self) -> None:
+        """After max_episodes_per_version episodes of this version, wait (bounded) for a newer one.
+
+        The log would otherwise fill with rollouts the learner can only drop as stale: producers
+        outrun a learner on these machines by an order of magnitude.
+        """
+        quota = self.settings.max_episodes_per_version
+        if quota is None or self.episodes_this_version < quota:
+            return
+        started, version = time.monotonic(), self.backend.version
+        while not self._stop and self.backend.version == version:
+            if time.monotonic() - started > self.settings.quota_wait_s:
+                break
+            self.maybe_load_checkpoint()
+            time.sleep(0.2)
+        self.stats.paused_s += time.monotonic() - started
+        self.episodes_this_version = 0
+
     def step(self) -> None:
         self.maybe_load_checkpoint()
         if self.settings.follow_checkpoints:
             self.wait_until_fresh()
+            self.wait_for_quota()
         if self._stop:
             return
         budget = self.remaining_prompts()
         tasks = [self.mixer.next() for _ in range(min(self.settings.prompts_per_step, budget))]
         summary = self.runner.run_step(tasks)
+        self.episodes_this_version += summary.episodes
         self.stats.add(summary)
         self.progress(summary)
 
