@@ -1,0 +1,157 @@
+"""End-to-end benchmark: the streaming pipeline (every service a process) versus a synchronous in-process
+loop (generate, score, train, repeat) for the same model, tasks and number of updates.
+
+    python tests/benchmarks/bench_e2e.py [--updates 12]
+
+Both sides use the same code for each stage (rollout episodes, assembly, reward, group advantages,
+GRPO update); the synchronous loop calls it in turn, the pipeline overlaps it across processes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from infra.bootstrap import bootstrap  # noqa: E402
+from infra.kafka import end_offsets  # noqa: E402
+from infra.launcher import Launcher  # noqa: E402
+from infra.settings import Settings  # noqa: E402
+from learner.model import build_policy  # noqa: E402
+from learner.update import TrainConfig, Trainer  # noqa: E402
+from producers.episodes import EpisodeRunner  # noqa: E402
+from producers.policy import make_backend  # noqa: E402
+from producers.sandbox_runner import SandboxCodeRunner  # noqa: E402
+from producers.settings import WorkerSettings  # noqa: E402
+from producers.tasks import TaskMixer, load_source  # noqa: E402
+from schemas.models import tiny_llama_config  # noqa: E402
+from schemas.records import RolloutEvent, SourcePosition, Trajectory  # noqa: E402
+from schemas.topics import Topics  # noqa: E402
+from streams import assembly, grouping  # noqa: E402
+from streams.scoring import Scorer  # noqa: E402
+
+GROUP, PROMPTS, NEW_TOKENS, LAYERS, WIDTH, BATCH = 8, 4, 6, 4, 256, 64
+
+
+def to_trajectories(events: list[RolloutEvent], scorer: Scorer) -> list[Trajectory]:
+    states: dict[str, assembly.EpisodeState] = {}
+    for i, ev in enumerate(events):
+        states[ev.episode_id] = assembly.fold(states.get(ev.episode_id), ev, SourcePosition(0, i))
+    scored = [scorer.score(assembly.to_trajectory(s, "memory")) for s in states.values()]
+    by_group: dict[str, list[Trajectory]] = defaultdict(list)
+    for t in scored:
+        by_group[t.group_id].append(t)
+    out = []
+    for members in by_group.values():
+        mean, std, advs = grouping.advantages([t.reward for t in members], 1e-6)
+        if std > 0:
+            out += [replace(t, advantage=a, group_reward_mean=mean, group_reward_std=std) for t, a in zip(members, advs)]
+    return out
+
+
+def synchronous(updates: int) -> dict[str, float]:
+    settings = WorkerSettings(ns="sync", producer_id="sync", group_size=GROUP, prompts_per_step=PROMPTS,
+                              max_new_tokens=NEW_TOKENS)
+    backend = make_backend("transformers", None, seed=0, config=tiny_llama_config(layers=LAYERS, width=WIDTH))
+    code = SandboxCodeRunner(None, workers=2)
+    events: list[RolloutEvent] = []
+    runner = EpisodeRunner(backend, code, events.append, settings)
+    mixer = TaskMixer([load_source("math-easy")], seed=0, curriculum=None)
+    trainer = Trainer(build_policy(layers=LAYERS, width=WIDTH, seed=0), TrainConfig(algorithm="grpo", lr=1e-3))
+    scorer = Scorer.load("default", "1")
+    times = defaultdict(float)
+    start = time.perf_counter()
+    for version in range(updates):
+        batch: list[Trajectory] = []
+        while len(batch) < BATCH:
+            events.clear()
+            s = runner.run_step([mixer.next() for _ in range(PROMPTS)])
+            times["generate"] += s.generate_s
+            times["sandbox"] += s.sandbox_s
+            t0 = time.perf_counter()
+            batch += to_trajectories(events, scorer)
+            times["score"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        trainer.step(batch[:BATCH], current_version=version)
+        state = {k: v for k, v in trainer.model.state_dict().items()}
+        backend.load_weights(state, version + 1)  # the synchronous loop hands weights over in memory
+        times["train"] += time.perf_counter() - t0
+    times["wall"] = time.perf_counter() - start
+    code.close()
+    return dict(times)
+
+
+def pipeline(updates: int, settings: Settings) -> dict[str, float]:
+    ns = f"bench-e2e-{uuid.uuid4().hex[:6]}"
+    bootstrap(settings, ns, partitions=2)
+    env = {**os.environ, **settings.as_env()}
+    model = ["--layers", str(LAYERS), "--width", str(WIDTH)]
+    tmp = tempfile.mkdtemp()
+    cmds = {
+        "streams": ["streams", "--ns", ns],
+        "writer": ["consumers.shard_writer", "--ns", ns, "--max-trajectories", str(BATCH), "--max-age-s", "3"],
+        "learner": ["learner", "--ns", ns, "--max-updates", str(updates), "--updates-per-checkpoint", "1",
+                    "--lr", "1e-3", "--cache-dir", tmp, *model],
+        **{f"producer-{i}": ["producers", "--ns", ns, "--sources", "math-easy", "--group-size", str(GROUP),
+                             "--prompts-per-step", str(PROMPTS), "--max-new-tokens", str(NEW_TOKENS),
+                             "--max-policy-lag", "1", "--max-episodes-per-version", str(BATCH * 3 // 4),
+                             "--producer-id", f"p{i}", "--seed", str(i), *model] for i in range(2)},
+    }
+    start = time.perf_counter()
+    procs = {n: subprocess.Popen([sys.executable, "-m", *c], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL, text=True) for n, c in cmds.items()}
+    learner_out, _ = procs["learner"].communicate(timeout=1800)
+    wall = time.perf_counter() - start
+    reports = {"learner": json.loads(learner_out.strip().splitlines()[-1])}
+    for name, proc in procs.items():
+        if name != "learner":
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=120)
+            if name.startswith("producer") and out.strip():
+                reports[name] = json.loads(out.strip().splitlines()[-1])
+    workers = [r for n, r in reports.items() if n.startswith("producer")]
+    events = sum(hi - lo for lo, hi in end_offsets(settings, Topics(ns).events).values())
+    return {"wall": wall, "generate": sum(w["generate_s"] for w in workers) / len(workers),
+            "sandbox": sum(w["sandbox_s"] for w in workers) / len(workers),
+            "producer_paused": sum(w["paused_s"] for w in workers) / len(workers),
+            "train": reports["learner"]["compute_s"], "learner_waiting": reports["learner"]["wait_s"],
+            "events": float(events)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--updates", type=int, default=12)
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    launcher = Launcher()
+    launcher.up()
+    creds = launcher.minio_credentials()
+    settings = Settings(launcher.kafka.address, launcher.minio.address, creds["MINIO_ROOT_USER"],
+                        creds["MINIO_ROOT_PASSWORD"])
+    sync = synchronous(args.updates)
+    pipe = pipeline(args.updates, settings)
+    print(f"tiny Llama ({LAYERS} layers, width {WIDTH}), math-easy, G={GROUP}, {BATCH} trajectories per update, "
+          f"{args.updates} GRPO updates")
+    print(f"synchronous loop: {sync['wall']:.1f}s wall = generate {sync['generate']:.1f}s + sandbox "
+          f"{sync['sandbox']:.1f}s + score {sync['score']:.1f}s + train {sync['train']:.1f}s")
+    print(f"streaming pipeline: {pipe['wall']:.1f}s wall (2 rollout workers, streams, shard writer, learner as "
+          f"processes); per worker: generate {pipe['generate']:.1f}s, sandbox {pipe['sandbox']:.1f}s, paused "
+          f"{pipe['producer_paused']:.1f}s; learner: train {pipe['train']:.1f}s, waiting for data "
+          f"{pipe['learner_waiting']:.1f}s; {pipe['events']:.0f} events")
+    print(f"ratio pipeline/synchronous wall time: {pipe['wall'] / sync['wall']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
