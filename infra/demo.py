@@ -67,8 +67,12 @@ def platform() -> Settings:
 
 
 def quota(args: argparse.Namespace) -> int:
-    """Episodes per worker per policy version: what two updates consume, plus a margin for dropped groups."""
-    per_version = args.batch_trajectories * 2 * 3 // 2 // args.workers
+    """Episodes per worker per policy version: what the learner trains per version (two updates).
+
+    More would queue up in the log and reach the learner too stale to train on: workers outrun a
+    learner on these machines. Zero-variance groups dropped upstream make partial batches instead.
+    """
+    per_version = args.batch_trajectories * 2 // args.workers
     return max(args.group_size, per_version - per_version % args.group_size)
 
 
@@ -78,7 +82,7 @@ def plan(args: argparse.Namespace, ns: str) -> list[Service]:
                                          str(args.group_size), "--prompts-per-step", "4", "--max-new-tokens",
                                          str(args.max_new_tokens), "--producer-id", f"worker-{i}", "--seed", str(i),
                                          "--max-policy-lag", "1", "--max-episodes-per-version",
-                                         str(quota(args)), *model])
+                                         str(quota(args)), "--quota-wait-s", "10", *model])
                for i in range(args.workers)]
     return [
         Service("streams", ["streams", "--ns", ns]),

@@ -116,7 +116,7 @@ class Evaluation:
         finally:
             streams.send_signal(signal.SIGTERM)
             streams.wait(timeout=60)
-        trajs = [codec.decode(m.value(), expect=Trajectory) for m in read_topic(self.settings, Topics(ns).trajectories)]
+        trajs = [codec.decode(m.value() or b"", expect=Trajectory) for m in read_topic(self.settings, Topics(ns).trajectories)]
         unique = {t.trajectory_id: t for t in trajs}  # at-least-once upstream: dedupe by id
         return summarise(version, list(unique.values()))
 

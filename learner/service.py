@@ -39,7 +39,7 @@ def train_config(s: LearnerSettings, algorithm: str) -> TrainConfig:
                        max_len=s.max_len, grad_checkpointing=s.grad_checkpointing, seed=s.seed)
 
 
-def model_from_config(config: dict[str, Any]) -> torch.nn.Module:
+def model_from_config(config: dict[str, Any]) -> Any:
     """The architecture a checkpoint was written from (its weights are loaded by the trainer)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 

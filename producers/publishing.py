@@ -17,7 +17,7 @@ class EventSink:
         self.topics = topics
         self.store = store
         # Retries until the broker is back (a restart) rather than failing records.
-        self.publisher = Publisher(settings, **{"message.timeout.ms": 600_000})
+        self.publisher = Publisher(settings, None, **{"message.timeout.ms": 600_000})
 
     def emit(self, event: RolloutEvent) -> None:
         event = offload(event, self.store, self.topics.ns)

@@ -28,8 +28,8 @@ def stack_mode() -> str:
 
 @contextlib.contextmanager
 def containers_stack() -> Iterator[Settings]:
-    from testcontainers.kafka import KafkaContainer
-    from testcontainers.minio import MinioContainer
+    from testcontainers.community.kafka import KafkaContainer
+    from testcontainers.community.minio import MinioContainer
 
     with KafkaContainer("confluentinc/cp-kafka:7.7.1").with_kraft() as kafka, MinioContainer() as minio:
         conf = minio.get_config()
