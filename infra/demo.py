@@ -31,6 +31,7 @@ from infra.settings import Settings
 from schemas.topics import Topics
 
 console = Console(stderr=True)
+MIN_GAIN = 0.1  # held-out mean reward the final policy must gain over the first for a healthy run
 
 
 @dataclass
@@ -197,8 +198,8 @@ def healthy(run: Run, results: list[dict[str, Any]], how: str) -> list[str]:
     problems = [f"{s.name} exited {s.rc}" for s in run.services if s.rc not in (0, -signal.SIGTERM)]
     if how != "learner finished":
         problems.append(f"run ended by {how}")
-    if len(results) == 2 and results[1]["end_to_end"] <= results[0]["end_to_end"]:
-        problems.append("the final policy is not better than the initial one on held-out tasks")
+    if len(results) == 2 and results[1]["reward_mean"] < results[0]["reward_mean"] + MIN_GAIN:
+        problems.append(f"the final policy's held-out reward is not {MIN_GAIN} above the initial one's")
     if len(results) != 2:
         problems.append("no evaluation")
     return problems
