@@ -164,8 +164,9 @@ class Launcher:
         conf.write_text(text)
         if not (data / "meta.properties").exists():
             cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
-            proc = subprocess.run(self._java(["kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(conf),
-                                              "--standalone"]), capture_output=True, text=True)
+            # "=": a base64 id may start with "-", which argparse would take for an option
+            proc = subprocess.run(self._java(["kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",
+                                              "-c", str(conf), "--standalone"]), capture_output=True, text=True)
             if proc.returncode != 0:
                 raise InfraError(f"formatting the Kafka data dir failed: {proc.stdout}{proc.stderr}")
         return conf

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 from pathlib import Path
 
@@ -14,14 +15,17 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-        if port < 65000:
-            with socket.socket() as b:
-                if b.connect_ex(("127.0.0.1", port + 1)) != 0:
-                    return port
+    """A port p with p and p + 1 both free, below the ephemeral range (where clients' own ports come from)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 30000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
     raise RuntimeError("no free port pair")
 
 
