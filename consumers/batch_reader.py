@@ -28,7 +28,7 @@ from confluent_kafka import KafkaException, Message, TopicPartition
 
 from consumers.shard_cache import ShardCache
 from consumers.shards import read_shard
-from infra.kafka import consumer
+from infra.kafka import consumer, while_broker_away
 from infra.objectstore import ObjectStore
 from infra.settings import Settings
 from schemas.codec import codec
@@ -341,6 +341,9 @@ class BatchReader:
     # ---- start ----------------------------------------------------------------------------------
     def _committed_positions(self) -> dict[int, int]:
         """The group's committed offsets; the start of the log where it has none."""
+        return while_broker_away(f"committed offsets on {self.topic}", self._read_committed)
+
+    def _read_committed(self) -> dict[int, int]:
         meta = self._consumer.list_topics(self.topic, timeout=10)
         if meta.topics[self.topic].error is not None:
             raise ConfigError(f"topic {self.topic} does not exist; run `python -m infra bootstrap --ns NAME`")

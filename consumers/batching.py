@@ -86,6 +86,13 @@ class Batcher:
             closed.append(self.open.pop(partition))
         return closed
 
+    def planned(self, partition: int, offset: int) -> bool:
+        """Whether `offset` belongs to a shard already stored (its content was decided before a restart)."""
+        batch = self.open.get(partition)
+        if batch is not None and batch.planned_last is not None and offset <= batch.planned_last:
+            return True
+        return any(first <= offset <= last for first, last in self.plans.get(partition, {}).items())
+
     def skip(self, partition: int, offset: int) -> Optional[int]:
         """A record that went elsewhere (dead letter): the offset to commit now, or None if a batch covers it."""
         batch = self.open.get(partition)

@@ -17,6 +17,7 @@ import math
 import signal
 import sys
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Callable, Optional, Sequence, TypeVar
@@ -25,7 +26,7 @@ from confluent_kafka import KafkaException, Message, TopicPartition
 
 from consumers.batching import BatchBounds, Batcher, OpenBatch
 from consumers.shards import CODECS, read_shard, shard_range, write_shard
-from infra.kafka import Publisher, consumer
+from infra.kafka import Publisher, consumer, read_topic
 from infra.objectstore import ObjectStore
 from infra.settings import Settings
 from schemas.codec import codec
@@ -108,11 +109,39 @@ class Progress:
     consumed: int = 0
     deadletters: int = 0
     replayed: int = 0  # batches cut by shards already stored (a restart's replay)
+    duplicates: int = 0  # trajectories already in a published batch (re-emitted upstream)
 
     def line(self, ns: str, pending: int) -> str:
         return (f"shard_writer {ns}: batches={self.batches} trajectories={self.trajectories} "
                 f"mb={self.bytes / 1e6:.2f} consumed={self.consumed} open={pending} "
-                f"deadletters={self.deadletters} replayed={self.replayed}")
+                f"deadletters={self.deadletters} replayed={self.replayed} duplicates={self.duplicates}")
+
+
+class WrittenIds:
+    """Trajectory ids already in a published batch (bounded), seeded from the manifests at start."""
+
+    def __init__(self, limit: int = 1_000_000) -> None:
+        self.limit = limit
+        self.ids: OrderedDict[str, None] = OrderedDict()
+
+    @classmethod
+    def from_manifests(cls, settings: Settings, topics: Topics) -> "WrittenIds":
+        written = cls()
+        for msg in read_topic(settings, topics.batches):
+            try:
+                written.add(codec.decode(msg.value() or b"", expect=BatchManifest).trajectory_ids)
+            except DecodeError:
+                continue
+        return written
+
+    def add(self, ids: Sequence[str]) -> None:
+        for tid in ids:
+            self.ids[tid] = None
+        while len(self.ids) > self.limit:
+            self.ids.popitem(last=False)
+
+    def __contains__(self, tid: str) -> bool:
+        return tid in self.ids
 
 
 class ShardWriter:
@@ -136,6 +165,7 @@ class ShardWriter:
         self._last_line = ""
         self._last_report = 0.0
         self._last_message: Optional[float] = None  # None until partitions are assigned
+        self.written = WrittenIds.from_manifests(settings, self.topics)
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def stop(self, *_: object) -> None:
@@ -221,9 +251,19 @@ class ShardWriter:
         except DecodeError as exc:
             self._dead_letter(msg, exc)
             return
+        if trajectory.trajectory_id in self.written and not self.batcher.planned(partition, offset):
+            self._duplicate(partition, offset)
+            return
         for batch in self.batcher.add(partition, offset, trajectory, len(value), time.monotonic()):
             if not self._write(batch):
                 return
+
+    def _duplicate(self, partition: int, offset: int) -> None:
+        """A trajectory re-emitted upstream (at-least-once) is already in a batch: counted, never written twice."""
+        self.progress.duplicates += 1
+        commit_to = self.batcher.skip(partition, offset)
+        if commit_to is not None:
+            self._commit(partition, commit_to)
 
     def _dead_letter(self, msg: Message, exc: DecodeError) -> None:
         log.warning("dead-lettering %s[%s]@%s: %s", msg.topic(), msg.partition(), msg.offset(), exc)
@@ -251,6 +291,7 @@ class ShardWriter:
         # Keyed by source partition: its manifests stay in offset order on any batches partition.
         self.publisher.send(self.topics.batches, f"{topic}:{p}".encode(), codec.encode(manifest))
         self.publisher.flush()
+        self.written.add(manifest.trajectory_ids)
         self._commit(p, batch.end + 1)
         self._count(batch, size)
         return True

@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
@@ -53,6 +53,32 @@ def consumer_config(settings: Settings, group: str, **overrides: Any) -> dict[st
     }
     conf.update(overrides)
     return conf
+
+
+T = TypeVar("T")
+
+
+def while_broker_away(what: str, fn: Callable[[], T], timeout_s: float = 300.0) -> T:
+    """fn(), retried while the broker is restarting or electing coordinators (a service that starts
+    during a broker restart waits for it instead of dying); other Kafka errors raise at once."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.5
+    while True:
+        try:
+            return fn()
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+            transient = err is None or err.retriable() or err.code() in _AWAY
+            if not transient or time.monotonic() + delay > deadline:
+                raise
+            log.warning("%s: %s; retrying in %.1fs", what, exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+_AWAY = {KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError._ALL_BROKERS_DOWN, KafkaError.NOT_COORDINATOR,
+         KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+         KafkaError.LEADER_NOT_AVAILABLE, KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.REQUEST_TIMED_OUT}
 
 
 def admin(settings: Settings) -> AdminClient:
@@ -147,6 +173,8 @@ def read_topic(settings: Settings, topic: str, timeout: float = 60.0) -> Iterato
             if msg is None:
                 continue
             if msg.error():
+                if msg.error().retriable() or msg.error().code() in _AWAY:
+                    continue  # the broker is coming back: librdkafka reconnects, the deadline bounds it
                 raise KafkaException(msg.error())
             part, offset = msg.partition() or 0, msg.offset() or 0
             if offset >= todo.get(part, -1) - 1:
@@ -157,7 +185,11 @@ def read_topic(settings: Settings, topic: str, timeout: float = 60.0) -> Iterato
 
 
 def end_offsets(settings: Settings, topic: str, timeout: float = 10.0) -> dict[int, tuple[int, int]]:
-    """(low, high) watermark per partition of `topic`."""
+    """(low, high) watermark per partition of `topic`, waiting out a broker restart."""
+    return while_broker_away(f"watermarks of {topic}", lambda: _watermarks(settings, topic, timeout))
+
+
+def _watermarks(settings: Settings, topic: str, timeout: float) -> dict[int, tuple[int, int]]:
     c = consumer(settings, "trajpipe-watermarks")
     try:
         meta = c.list_topics(topic, timeout=timeout)

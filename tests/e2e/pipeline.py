@@ -74,13 +74,13 @@ class PipelineRun:
         except Exception:
             return -1
 
-    def wait_until(self, what: str, ok: Callable[[], bool], timeout: float = 240.0) -> None:
+    def wait_until(self, what: str, ok: Callable[[], bool], timeout: float = 240.0, every: float = 0.5) -> None:
         deadline = time.monotonic() + timeout
         while not ok():
             dead = [n for n, p in self.procs.items() if p.poll() not in (None, 0)]
             if dead or time.monotonic() > deadline:
                 raise AssertionError(f"waiting for {what}: dead {dead}; logs:\n{self.logs()}")
-            time.sleep(0.5)
+            time.sleep(every)
 
     def settled(self, topic: str, quiet_s: float = 8.0, timeout: float = 240.0) -> int:
         """The record count of `topic` once it has not grown for quiet_s seconds."""

@@ -63,7 +63,9 @@ def test_crashes_and_outages_lose_nothing_and_train_each_batch_once(tmp_path: Pa
         run.launcher.start("minio")
 
         assert run.procs["producer-b"].wait(timeout=400) == 0, run.logs()
-        run.settled(t.trajectories, quiet_s=20)  # the sweeper closes producer-a's orphans after 12 s
+        # the sweeper closes producer-a's orphans once idle for 12 s (of event or wall time)
+        run.wait_until("every started episode closed", lambda: every_episode_closed(run), timeout=300, every=5)
+        run.settled(t.trajectories)
         run.settled(t.scored)
         run.settled(t.batches)
         run.settled(t.checkpoints, quiet_s=10)
@@ -72,6 +74,11 @@ def test_crashes_and_outages_lose_nothing_and_train_each_batch_once(tmp_path: Pa
         assert_every_id_accounted_for(run)
     finally:
         run.close()
+
+
+def every_episode_closed(run: PipelineRun) -> bool:
+    started = {e.episode_id for e in decode_all(run, run.topics.events) if isinstance(e.body, EpisodeStarted)}
+    return started <= {t.episode_id for t in decode_all(run, run.topics.trajectories)}
 
 
 def describe(episodes: set[str], events: list[RolloutEvent], run: PipelineRun) -> str:

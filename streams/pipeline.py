@@ -1,0 +1,411 @@
+"""The worker's stages over batches of messages: clean -> assemble -> score, then group; sweeper; metrics.
+
+    pipeline = Pipeline(settings, tables, outbox, scorer)
+    await pipeline.on_events(messages)          # <ns>.rollout.events -> <ns>.trajectories | deadletter
+    await pipeline.on_trajectories(messages)    # <ns>.trajectories  -> <ns>.trajectories.scored, task.stats
+    await pipeline.sweep()                      # abandon idle episodes, emit timed-out groups, forget old markers
+    await pipeline.flush_metrics()              # -> <ns>.pipeline.metrics
+
+Every input event ends in exactly one place: folded into an episode (and so in its trajectory, or in the
+dead letter of that trajectory), dead-lettered itself with a reason, or counted as a duplicate. Outputs
+are keyed and derived from the log only (ids from episode ids, timestamps from events), so reprocessing
+after a crash re-sends identical records: consumers dedupe by trajectory id.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol, Union
+
+from infra.claims import resolve
+from infra.settings import Settings
+from schemas.codec import codec
+from schemas.errors import DecodeError, RewardError, ValidationError
+from schemas.records import DeadLetter, PolicyTurn, RolloutEvent, SourcePosition, Trajectory
+from schemas.topics import Topics
+from streams import assembly, fastcodec, grouping
+from streams.assembly import ABANDONED, ClosedEpisode, EpisodeState
+from streams.grouping import ClosedGroup, GroupState, TaskCount
+from streams.metrics import Metrics, observe_trajectory
+from streams.outbox import Outbox
+from streams.runtime import PartitionedTable
+from streams.scoring import Scorer
+from streams.settings import StreamSettings
+from streams.state import EpisodeLog
+from streams.validation import DEFAULT_LIMITS, Limits, decode_event, validate
+
+log = logging.getLogger(__name__)
+MAX_DETAIL = 2000
+# Closed markers are few per sweep; scanning them every sweep would cost more than it frees.
+PRUNE_EVERY = 30
+
+
+class Message(Protocol):
+    """The parts of a Kafka message the stages read (faust's Message has them)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: Optional[bytes]
+    value: Optional[bytes]
+    timestamp: float
+
+
+@dataclass
+class Tables:
+    episodes: PartitionedTable[EpisodeLog]
+    seen: PartitionedTable[ClosedEpisode]
+    groups: PartitionedTable[Union[GroupState, ClosedGroup]]
+    taskstats: PartitionedTable[TaskCount]
+
+
+@dataclass
+class Incoming:
+    message: Message
+    event: RolloutEvent
+    rejected: bool = False
+
+    @property
+    def position(self) -> SourcePosition:
+        return SourcePosition(self.message.partition, self.message.offset)
+
+
+@dataclass
+class EpisodeBatch:
+    """Episodes touched by one batch: written to the changelog once each, at the end of the batch."""
+
+    logs: dict[bytes, EpisodeLog] = field(default_factory=dict)
+    opened: set[bytes] = field(default_factory=set)
+    ended: list[bytes] = field(default_factory=list)
+
+
+class ClaimResolver:
+    """Fetches claim-checked payloads from the object store, which is only opened when a claim appears."""
+
+    def __init__(self, platform: Optional[Settings]) -> None:
+        self.platform = platform
+        self._store: Any = None
+
+    def __call__(self, event: RolloutEvent) -> RolloutEvent:
+        if self.platform is None:
+            raise ValidationError("claim_unavailable", "this worker has no object store configured")
+        if self._store is None:
+            from infra.objectstore import ObjectStore
+
+            self._store = ObjectStore(self.platform)
+        return resolve(event, self._store)
+
+
+class Pipeline:
+    def __init__(self, settings: StreamSettings, topics: Topics, tables: Tables, outbox: Outbox, scorer: Scorer,
+                 claims: Optional[Callable[[RolloutEvent], RolloutEvent]] = None, metrics: Optional[Metrics] = None,
+                 limits: Limits = DEFAULT_LIMITS, ready: Callable[[], bool] = lambda: True) -> None:
+        self.settings, self.topics, self.tables, self.outbox, self.scorer = settings, topics, tables, outbox, scorer
+        self.claims = claims or ClaimResolver(None)
+        self.metrics = metrics or Metrics()
+        self.limits = limits
+        self.ready = ready
+        # The timers and the agents share tables; a batch holds this across its awaits (claims).
+        self.lock = asyncio.Lock()
+        self.event_watermark: dict[int, int] = {}  # partition of events -> max event ts seen
+        self.group_watermark: dict[int, int] = {}  # partition of trajectories -> max ended_ts seen
+        self.window_start = _now_ms()
+        self.sweeps = 0
+
+    # ---- clean -> assemble -> score ----------------------------------------------------------
+    async def on_events(self, messages: list[Message]) -> None:
+        async with self.lock:
+            cleaned = [self._clean(m) for m in messages]
+            await self._check_claims([c for c in cleaned if c is not None and _claimed(c.event)])
+            batch = EpisodeBatch()
+            for item in cleaned:
+                if item is not None and not item.rejected:
+                    self._assemble(item, batch)
+            ended = [(key, batch.logs.pop(key), key not in batch.opened) for key in batch.ended]
+            for key, episode, _ in ended:
+                await self._publish_trajectory(episode.state, None)
+            for key, episode in batch.logs.items():
+                self.tables.episodes.put(self.outbox, episode.state.partition, key, episode)
+            await self._forget_episodes(ended)
+
+    def _clean(self, message: Message) -> Optional[Incoming]:
+        self.metrics.count("streams/events")
+        try:
+            event = decode_event(message.value)
+            if not _claimed(event):  # a claimed turn is checked once its payload is fetched
+                validate(event, self.limits)
+        except DecodeError as exc:
+            self._reject(message, exc.reason, exc.detail + (f" (at {exc.where})" if exc.where else ""), "clean")
+            return None
+        except ValidationError as exc:
+            self._reject(message, exc.reason, exc.detail, "clean", event)
+            return None
+        except Exception as exc:  # a poison message must not stop the worker
+            self._failed(message, exc, "clean")
+            return None
+        return Incoming(message, event)
+
+    async def _check_claims(self, items: list[Incoming]) -> None:
+        loop = asyncio.get_running_loop()
+        for item in items:
+            try:
+                validate(await loop.run_in_executor(None, self.claims, item.event), self.limits)
+            except ValidationError as exc:
+                self._reject(item.message, exc.reason, exc.detail, "clean", item.event)
+                item.rejected = True
+
+    def _assemble(self, item: Incoming, batch: EpisodeBatch) -> None:
+        event, key = item.event, item.event.episode_id.encode()
+        partition = item.message.partition
+        self.event_watermark[partition] = max(self.event_watermark.get(partition, 0), event.ts)
+        episode = batch.logs.get(key) or self.tables.episodes.get(key)
+        closed = self.tables.seen.get(key) if episode is None else None
+        if episode is not None and episode.state.ended is not None:
+            closed = assembly.close(episode.state, episode.state.ended.status)  # ended earlier in this batch
+        try:
+            if closed is not None:
+                assembly.classify_late(closed, event)
+                self.metrics.count("streams/duplicates")
+                return
+            if episode is not None and assembly.is_duplicate(episode.state, event):
+                self.metrics.count("streams/duplicates")
+                return
+            if episode is not None and partition != episode.state.partition:
+                raise ValidationError("bad_step", f"episode {event.episode_id} came on partition "
+                                                  f"{episode.state.partition}, this event on {partition}")
+            state = assembly.fold(episode.state if episode else None, event, item.position)
+        except ValidationError as exc:
+            self._reject(item.message, exc.reason, exc.detail, "assemble", event)
+            return
+        except Exception as exc:
+            self._failed(item.message, exc, "assemble", event)
+            return
+        self.metrics.count("streams/accepted")
+        raw = item.message.value or b""
+        if episode is None:
+            batch.opened.add(key)
+        batch.logs[key] = episode.extend(state, raw) if episode else EpisodeLog(state, (raw,))
+        if state.ended is not None:
+            batch.ended.append(key)
+
+    async def _publish_trajectory(self, state: EpisodeState, status: Optional[str]) -> None:
+        """The episode's trajectory (or its dead letter) to the outbox."""
+        trajectory = await self._trajectory(state, status or assembly.status_of(state) or ABANDONED)
+        if trajectory is not None:
+            self._score_and_publish(trajectory, state)
+
+    async def _forget_episodes(self, closed: list[tuple[bytes, EpisodeLog, bool]], status: Optional[str] = None
+                               ) -> None:
+        """Once their trajectories are on the broker, remember the episodes as closed and drop their state.
+
+        In this order a crash can re-send a trajectory (its events come again, or the sweeper finds the
+        state again) but never lose one: no marker is written before the trajectory is acknowledged.
+        """
+        if not closed:
+            return
+        await self.outbox.flush()
+        for key, episode, tombstone in closed:
+            state = episode.state
+            final = status or assembly.status_of(state) or ABANDONED
+            self.tables.seen.put(self.outbox, state.partition, key, assembly.close(state, final))
+            self.tables.episodes.delete(self.outbox, state.partition, key, tombstone)
+            if final == ABANDONED:
+                self.metrics.count("streams/abandoned")
+
+    async def _trajectory(self, state: EpisodeState, status: str) -> Optional[Trajectory]:
+        if state.claims:
+            try:
+                state = await self._with_payloads(state)
+            except ValidationError as exc:
+                unscored = assembly.to_trajectory(state, self.topics.events, status)
+                self._reject_trajectory(unscored, state, exc.reason, exc.detail, "assemble")
+                return None
+        return assembly.to_trajectory(state, self.topics.events, status)
+
+    async def _with_payloads(self, state: EpisodeState) -> EpisodeState:
+        loop = asyncio.get_running_loop()
+        resolved: dict[int, PolicyTurn] = {}
+        for event in state.claims:
+            body = (await loop.run_in_executor(None, self.claims, event)).body
+            assert isinstance(body, PolicyTurn)
+            resolved[body.turn] = body
+        return assembly.with_payloads(state, resolved)
+
+    def _score_and_publish(self, trajectory: Trajectory, state: EpisodeState) -> None:
+        try:
+            scored = self.scorer.score(trajectory)
+            value = codec.encode(scored)
+        except RewardError as exc:
+            self._reject_trajectory(trajectory, state, "reward_error", str(exc), "score")
+            return
+        except Exception as exc:
+            log.exception("scoring %s failed", trajectory.trajectory_id)
+            self._reject_trajectory(trajectory, state, "processing_error", repr(exc), "score")
+            return
+        self.outbox.send(self.topics.trajectories, scored.group_id.encode(), value)
+        observe_trajectory(self.metrics, scored)
+
+    # ---- group -------------------------------------------------------------------------------
+    async def on_trajectories(self, messages: list[Message]) -> None:
+        async with self.lock:
+            touched: dict[bytes, GroupState] = {}
+            for message in messages:
+                self._add_to_group(message, touched)
+            complete = [(key, group) for key, group in touched.items() if grouping.is_complete(group)]
+            for key, group in touched.items():
+                if not grouping.is_complete(group):
+                    self.tables.groups.put(self.outbox, group.partition, key, group)
+            await self._emit_groups(complete, timed_out=False)
+
+    def _add_to_group(self, message: Message, touched: dict[bytes, GroupState]) -> None:
+        try:
+            raw = fastcodec.current_bytes(message.value or b"")
+            head = fastcodec.read_summary(raw)
+        except DecodeError as exc:
+            self._reject(message, exc.reason, exc.detail, "group")
+            return
+        except Exception as exc:
+            self._failed(message, exc, "group")
+            return
+        key, partition = head.group_id.encode(), message.partition
+        self.group_watermark[partition] = max(self.group_watermark.get(partition, 0), head.ended_ts)
+        current = touched.get(key) or self.tables.groups.get(key)
+        if isinstance(current, ClosedGroup) or (current is not None and grouping.is_complete(current)):
+            ids = current.trajectory_ids
+            self.metrics.count("streams/duplicate_trajectories" if head.trajectory_id in ids
+                               else "streams/late_stragglers")
+            return
+        group = grouping.add_member(current, grouping.Member(head, raw), partition)
+        if group is current:
+            self.metrics.count("streams/duplicate_trajectories")
+            return
+        touched[key] = group
+
+    async def _emit_groups(self, groups: list[tuple[bytes, GroupState]], timed_out: bool) -> None:
+        """Scored members out; once they are on the broker, the groups are closed and counted (as episodes)."""
+        if not groups:
+            return
+        results = [self._emit_scores(key, group) for key, group in groups]
+        await self.outbox.flush()
+        for (key, group), result in zip(groups, results):
+            self._count_group(group, result, timed_out)
+            self._count_task(group, result)
+            self.tables.groups.put(self.outbox, group.partition, key, grouping.close(group, timed_out))
+
+    def _emit_scores(self, key: bytes, group: GroupState) -> grouping.GroupResult:
+        result = grouping.finalize(group, self.settings.advantage_eps, self.settings.drop_zero_variance)
+        for member, advantage in result.scored:
+            value = fastcodec.with_advantage(member.raw, member.summary.advantage_at, advantage, result.mean,
+                                             result.std)
+            self.outbox.send(self.topics.scored, key, value)
+        return result
+
+    def _count_group(self, group: GroupState, result: grouping.GroupResult, timed_out: bool) -> None:
+        self.metrics.count("streams/groups", outcome="timed_out" if timed_out else "complete")
+        self.metrics.count("streams/scored", len(result.scored))
+        self.metrics.count("streams/untrainable", len(group.members) - result.trainable)
+        if result.zero_variance:
+            self.metrics.count("streams/zero_variance_groups", dropped=str(result.dropped).lower())
+
+    def _count_task(self, group: GroupState, result: grouping.GroupResult) -> None:
+        """Per-partition counts in the table (a changelog partition holds only its own keys); the feed sums them."""
+        first = min((m.summary for m in group.members), key=lambda t: t.trajectory_id)
+        counts = []
+        for partition in range(self.topics.partitions):
+            key = f"{partition}|{first.task_id}".encode()
+            count = self.tables.taskstats.get(key)
+            if partition == group.partition:
+                count = grouping.count_task(count, first.domain, result)
+                self.tables.taskstats.put(self.outbox, partition, key, count)
+            if count is not None:
+                counts.append(count)
+        stats = grouping.task_stats(first.task_id, counts)
+        self.outbox.send(self.topics.task_stats, first.task_id.encode(), codec.encode(stats))
+
+    # ---- timers ------------------------------------------------------------------------------
+    async def sweep(self) -> None:
+        """Close idle episodes as abandoned, emit groups past their timeout, forget markers past the horizon."""
+        if not self.ready():
+            return
+        async with self.lock:
+            idle = [(key, episode, True) for key, episode in self.tables.episodes.items()
+                    if self._idle_ms(self.event_watermark, episode.state.last_ts, episode.touched,
+                                     episode.state.partition) > self.settings.episode_timeout_s * 1000]
+            for _, episode, _ in idle:
+                await self._publish_trajectory(episode.state, ABANDONED)
+            await self._forget_episodes(idle, ABANDONED)
+            late = [(key, group) for key, group in self.tables.groups.items() if isinstance(group, GroupState)
+                    and self._idle_ms(self.group_watermark, group.first_ts, group.since, group.partition)
+                    > self.settings.group_timeout_s * 1000]
+            await self._emit_groups(late, timed_out=True)
+            self.sweeps += 1
+            if self.sweeps % PRUNE_EVERY == 0:
+                self.prune()
+
+    def prune(self) -> None:
+        horizon = self.settings.dedupe_horizon_s * 1000
+        for key, closed in self.tables.seen.items():
+            if self._idle_ms(self.event_watermark, closed.closed_ts, closed.since, closed.partition) > horizon:
+                self.tables.seen.delete(self.outbox, closed.partition, key)
+        for key, group in self.tables.groups.items():
+            if isinstance(group, ClosedGroup) and \
+                    self._idle_ms(self.group_watermark, group.closed_ts, group.since, group.partition) > horizon:
+                self.tables.groups.delete(self.outbox, group.partition, key)
+
+    @staticmethod
+    def _idle_ms(watermarks: dict[int, int], last_ts: int, since: float, partition: int) -> float:
+        return assembly.idle_ms(last_ts, watermarks.get(partition, 0), time.monotonic() - since)
+
+    async def flush_metrics(self) -> None:
+        now = _now_ms()
+        self.metrics.gauge("streams/open_episodes", float(len(self.tables.episodes)))
+        self.metrics.gauge("streams/open_groups", float(sum(isinstance(g, GroupState)
+                                                            for _, g in self.tables.groups.items())))
+        for metric in self.metrics.flush(self.window_start, now):
+            self.outbox.send(self.topics.metrics, metric.name.encode(), codec.encode(metric))
+        self.window_start = now
+        log.info("streams totals: %s", self.metrics.summary())
+
+    # ---- dead letters ------------------------------------------------------------------------
+    def _reject(self, message: Message, reason: str, detail: str, stage: str,
+                event: Optional[RolloutEvent] = None) -> None:
+        ts = event.ts if event is not None else int(round(message.timestamp * 1000))
+        self._dead_letter(DeadLetter(reason=reason, detail=detail[:MAX_DETAIL], stage=stage,
+                                     source_topic=message.topic, partition=message.partition, offset=message.offset,
+                                     key=message.key, original=message.value or b"", ts=ts))
+
+    def _failed(self, message: Message, exc: Exception, stage: str, event: Optional[RolloutEvent] = None) -> None:
+        log.exception("%s[%d]@%d failed in %s", message.topic, message.partition, message.offset, stage)
+        self._reject(message, "processing_error", repr(exc), stage, event)
+
+    def _reject_trajectory(self, trajectory: Trajectory, state: EpisodeState, reason: str, detail: str,
+                           stage: str) -> None:
+        """The whole trajectory, unscored, at the position of its last event: a replay can score it again."""
+        last = max(state.positions, key=lambda p: p.offset)
+        self._dead_letter(DeadLetter(reason=reason, detail=detail[:MAX_DETAIL], stage=stage,
+                                     source_topic=self.topics.events, partition=last.partition, offset=last.offset,
+                                     key=state.episode_id.encode(), original=_encode_or_empty(trajectory),
+                                     ts=state.last_ts))
+
+    def _dead_letter(self, record: DeadLetter) -> None:
+        self.metrics.count("streams/deadletters", reason=record.reason, stage=record.stage)
+        log.debug("dead letter %s at %s[%d]@%d: %s", record.reason, record.source_topic, record.partition,
+                  record.offset, record.detail)
+        self.outbox.send(self.topics.deadletter, record.key, codec.encode(record))
+
+
+def _encode_or_empty(record: Trajectory) -> bytes:
+    try:
+        return codec.encode(record)
+    except Exception:  # the dead letter still says what failed, with the source position to find it
+        return b""
+
+
+def _claimed(event: RolloutEvent) -> bool:
+    return isinstance(event.body, PolicyTurn) and event.body.claim is not None
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

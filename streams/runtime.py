@@ -1,0 +1,166 @@
+"""Faust plumbing that keeps Faust's guarantees (consumer group, acks, commits, table recovery) at batch cost.
+
+Measured on 2 cores, a Faust agent that does nothing moves ~5k events/s, `stream.take` included: the
+consumer wraps every message in `wait_first` (four asyncio tasks a message) and the stream iterates one
+event at a time. Here instead:
+
+- `BatchConsumer` hands fetched messages to the conductor directly (checking flow control per message,
+  without a task per message);
+- `batches(stream)` drains the agent's channel queue a batch at a time; the agent acks each event after
+  its outputs are queued, so Faust commits exactly as for a plain agent;
+- `OutboxProducer.flush` (awaited by Faust before every offset commit) also flushes the worker's outbox;
+- `PartitionedTable` writes a table key with an explicit changelog partition, which Faust's dict API
+  cannot do outside an event (timers, batches spanning partitions).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Awaitable, Callable, Generic, Optional, TypeVar
+
+import faust
+from faust.transport.drivers import aiokafka as driver
+from faust.types import EventT, StreamT, TableT
+
+from streams.outbox import Outbox
+
+V = TypeVar("V")
+SMALL_BATCH = 8  # a batch under 1/8 of the maximum waits for more events
+
+
+class BatchConsumer(driver.Consumer):
+    """Faust's aiokafka consumer without the per-message `wait_first`."""
+
+    async def _drain_messages(self, fetcher: Any) -> None:  # pragma: no cover - runs against a broker
+        callback = self.callback
+        consumer_stopped, fetcher_stopped = self._stopped.is_set, fetcher._stopped.is_set
+        suspended = self.suspend_flow.is_set
+        try:
+            while not (consumer_stopped() or fetcher_stopped()):
+                records = self.getmany(timeout=1.0)
+                await asyncio.sleep(0)
+                if self.should_stop:
+                    continue
+                n = 0
+                async for tp, message in records:
+                    if suspended():  # a rebalance: the rest is fetched again from the committed offset
+                        break
+                    await self._deliver(tp, message, callback)
+                    n += 1
+                    if n % 256 == 0:
+                        await asyncio.sleep(0)  # let agents and timers run during large fetches
+        except self.consumer_stopped_errors:
+            if self.transport.app.should_stop:
+                return
+            raise
+        except asyncio.CancelledError:
+            if self.transport.app.should_stop:
+                return
+            raise
+
+    async def _deliver(self, tp: Any, message: Any, callback: Any) -> None:  # pragma: no cover
+        offset = message.offset
+        read = self._read_offset[tp]
+        if read is not None and offset < read:
+            return
+        if read and offset - read > 1 and self.app.topics.acks_enabled_for(message.topic):
+            await self._add_gap(tp, read + 1, offset)  # compacted or transactional gaps stay committable
+        if self._commit_every is not None and self._n_acked >= self._commit_every:
+            self._n_acked = 0
+            await self.commit()
+        await callback(message)
+        self._read_offset[tp] = offset
+
+
+class OutboxProducer(driver.Producer):
+    """Faust's producer, whose flush (awaited before each offset commit) also flushes the outbox."""
+
+    async def flush(self) -> None:
+        await super().flush()
+        outbox: Optional[Outbox] = getattr(self.app, "outbox", None)
+        if outbox is not None:
+            await outbox.flush()
+
+
+class Transport(driver.Transport):
+    Consumer = BatchConsumer
+    Producer = OutboxProducer
+
+
+class StreamsApp(faust.App):
+    """A Faust app with the batch transport and an `outbox` for every record the worker writes."""
+
+    outbox: Optional[Outbox] = None
+    failure: Optional[BaseException] = None  # set when a batch failed: the worker exits non-zero
+    on_stopping: Optional[Callable[[], Awaitable[None]]] = None  # e.g. publish the last metrics window
+
+    async def on_stop(self) -> None:
+        if self.on_stopping is not None:
+            await self.on_stopping()
+        await super().on_stop()  # commits after the producer (and so the outbox) is flushed
+        if self.outbox is not None:
+            await self.outbox.flush()
+
+    def _new_transport(self) -> Transport:
+        return Transport(self.conf.broker_consumer, self)
+
+    def _new_producer_transport(self) -> Transport:
+        return Transport(self.conf.broker_producer, self)
+
+
+async def batches(stream: StreamT, max_size: int, wait_s: float) -> AsyncIterator[list[EventT]]:
+    """Events of the agent's stream in lists of up to `max_size`; waits `wait_s` for a small list to fill
+    (fewer changelog writes per event), never when the stream is busy (the wait would only idle the worker).
+
+    The caller must ack every event of a list (`event.ack()`) once its outputs are queued.
+    """
+    queue = aiter(stream.channel).queue  # type: ignore[attr-defined]
+    while True:
+        try:
+            batch = [await queue.get()]
+        except StopAsyncIteration:  # Faust stops a stream by throwing this into its channel
+            return
+        _drain(queue, batch, max_size)
+        if len(batch) * SMALL_BATCH < max_size and wait_s > 0:
+            await asyncio.sleep(wait_s)
+            _drain(queue, batch, max_size)
+        yield batch
+
+
+def _drain(queue: Any, batch: list[EventT], max_size: int) -> None:
+    while len(batch) < max_size and not queue.empty():
+        batch.append(queue.get_nowait())
+
+
+class PartitionedTable(Generic[V]):
+    """A Faust table read as a dict and written with an explicit changelog partition, through the outbox.
+
+    The in-memory store is what Faust recovers from the changelog on start, so a restarted worker sees
+    every value written here before its last committed offset.
+    """
+
+    def __init__(self, table: TableT, dump: Any) -> None:
+        self.table = table
+        self.dump = dump
+
+    @property
+    def topic(self) -> str:
+        return self.table.changelog_topic.get_topic_name()
+
+    def get(self, key: bytes) -> Optional[V]:
+        return self.table.data.get(key)  # type: ignore[no-any-return]
+
+    def items(self) -> list[tuple[bytes, V]]:
+        return list(self.table.data.items())
+
+    def __len__(self) -> int:
+        return len(self.table.data)
+
+    def put(self, outbox: Outbox, partition: int, key: bytes, value: V) -> None:
+        self.table.data[key] = value
+        outbox.send(self.topic, key, self.dump(value), partition)
+
+    def delete(self, outbox: Outbox, partition: int, key: bytes, tombstone: bool = True) -> None:
+        """Remove the key; `tombstone=False` when it was never written to the changelog."""
+        self.table.data.pop(key, None)
+        if tombstone:
+            outbox.send(self.topic, key, None, partition)

@@ -1,0 +1,210 @@
+"""Streams benchmark: events/s through clean + assemble + score + group on one worker, against the ceiling.
+
+    python tests/benchmarks/bench_streams.py [--events 200000] [--partitions 2] [--tokens 64] [--rate 4000]
+
+1. Throughput: N events of concurrent episodes (code: 2 turns with sandbox results; math and table: 1 turn)
+   are loaded into a fresh namespace, then one `python -m streams` worker drains them. Events/s is N over
+   the time from its first trajectory to its last scored trajectory (broker timestamps), so start-up and
+   the consumer-group join are not counted. The worker's CPU seconds give events per CPU-second too: the
+   machine is shared, and CPU time is what the code costs.
+2. Ceiling: a plain confluent-kafka consume + decode loop over the same topic.
+3. Latency: events produced live at --rate into a second namespace; EpisodeEnded (event ts, wall clock)
+   to its scored trajectory (broker timestamp), p50 / p99.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator, Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from confluent_kafka import Consumer, TopicPartition  # noqa: E402
+
+from infra.bootstrap import bootstrap  # noqa: E402
+from infra.kafka import Publisher, consumer_config, end_offsets, read_topic  # noqa: E402
+from infra.settings import Settings  # noqa: E402
+from schemas.codec import codec  # noqa: E402
+from schemas.records import EpisodeEnded, RolloutEvent  # noqa: E402
+from schemas.topics import Topics  # noqa: E402
+from tests.streams_data import Episode, bodies  # noqa: E402
+
+DOMAINS = ("code", "math", "table")
+
+
+def episodes(n_groups: int, group_size: int, seed: int) -> Iterator[Episode]:
+    rng = random.Random(seed)
+    for g in range(n_groups):
+        domain = DOMAINS[g % 3]
+        for i in range(group_size):
+            yield Episode(f"ep-{g}-{i}", f"g-{g}", domain, group_size, right=rng.random() < 0.5,
+                          turns=2 if domain == "code" else 1)
+
+
+def with_tokens(ep: Episode, tokens: int) -> list:  # type: ignore[type-arg]
+    from dataclasses import replace
+
+    from schemas.packing import pack_floats, pack_ids
+    from schemas.records import PolicyTurn
+
+    out = []
+    for body in bodies(ep):
+        if isinstance(body, PolicyTurn):
+            body = replace(body, tokens=pack_ids(range(3, 3 + tokens)), logprobs=pack_floats([-0.5] * tokens))
+        out.append(body)
+    return out
+
+
+def interleaved(n_events: int, tokens: int, concurrent: int, seed: int, now: Optional[float] = None
+                ) -> Iterator[RolloutEvent]:
+    """Events of up to `concurrent` open episodes, picked at random: how many rollout workers write."""
+    rng = random.Random(seed)
+    source = episodes(n_events, 4, seed)
+    open_: list[list[RolloutEvent]] = []
+    emitted = 0
+    while emitted < n_events:
+        while len(open_) < concurrent:
+            ep = next(source)
+            ts = int((now or 1_760_000_000) * 1000)
+            open_.append([RolloutEvent(event_id=f"{ep.episode_id}-{i}", run="bench", episode_id=ep.episode_id,
+                                       group_id=ep.group_id, task_id=f"{ep.domain}/{ep.group_id}", domain=ep.domain,
+                                       policy_version=0, producer_id="bench", ts=ts + i, seq=i, body=b)
+                          for i, b in enumerate(with_tokens(ep, tokens))])
+        i = rng.randrange(len(open_))
+        event = open_[i].pop(0)
+        if not open_[i]:
+            open_.pop(i)
+        if now is not None:
+            event = event.__class__(**{**event.__dict__, "ts": int(time.time() * 1000)})
+        yield event
+        emitted += 1
+
+
+def start_worker(settings: Settings, ns: str, log: Path) -> subprocess.Popen:  # type: ignore[type-arg]
+    env = {**os.environ, **settings.as_env()}
+    return subprocess.Popen([sys.executable, "-m", "streams", "--ns", ns, "--log-level", "warn"], cwd=ROOT,
+                            env=env, stderr=log.open("w"))
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def count(settings: Settings, topic: str) -> int:
+    return sum(hi - lo for lo, hi in end_offsets(settings, topic).values())
+
+
+def wait_for(settings: Settings, topic: str, n: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while count(settings, topic) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{topic}: {count(settings, topic)} of {n} records after {timeout}s")
+        time.sleep(0.5)
+
+
+def expected_scored(events: list[RolloutEvent]) -> int:
+    return sum(isinstance(e.body, EpisodeEnded) for e in events)
+
+
+def throughput(settings: Settings, args: argparse.Namespace) -> dict[str, float]:
+    ns = f"bench{uuid.uuid4().hex[:8]}"
+    bootstrap(settings, ns, args.partitions)
+    topics = Topics(ns, args.partitions)
+    events = list(interleaved(args.events, args.tokens, args.concurrent, seed=1))
+    publisher = Publisher(settings)
+    for event in events:
+        publisher.send(topics.events, event.episode_id.encode(), codec.encode(event))
+    publisher.close()
+    trajectories = expected_scored(events)
+    worker = start_worker(settings, ns, Path(args.log_dir) / f"{ns}.log")
+    try:
+        wait_for(settings, topics.trajectories, trajectories, args.timeout)
+        time.sleep(2 * args.partitions)  # the last groups
+        cpu = cpu_seconds(worker.pid)
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(60)
+    first = min(m.timestamp()[1] for m in read_topic(settings, topics.trajectories))
+    scored = [m.timestamp()[1] for m in read_topic(settings, topics.scored)]
+    seconds = (max(scored) - first) / 1000
+    return {"events": len(events), "trajectories": trajectories, "scored": len(scored), "seconds": seconds,
+            "events_per_s": len(events) / seconds, "cpu_s": cpu, "events_per_cpu_s": len(events) / cpu,
+            "ns": ns}  # type: ignore[dict-item]
+
+
+def ceiling(settings: Settings, topic: str, n: int) -> float:
+    c = Consumer(consumer_config(settings, f"ceiling-{uuid.uuid4().hex[:6]}"))
+    c.assign([TopicPartition(topic, p, 0) for p in end_offsets(settings, topic)])
+    done, started = 0, time.perf_counter()
+    while done < n:
+        for msg in c.consume(10_000, 1.0):
+            if not msg.error():
+                codec.decode(msg.value())
+                done += 1
+    c.close()
+    return n / (time.perf_counter() - started)
+
+
+def latency(settings: Settings, args: argparse.Namespace) -> dict[str, float]:
+    ns = f"benchlat{uuid.uuid4().hex[:6]}"
+    bootstrap(settings, ns, args.partitions)
+    topics = Topics(ns, args.partitions)
+    worker = start_worker(settings, ns, Path(args.log_dir) / f"{ns}.log")
+    time.sleep(args.warmup)
+    publisher = Publisher(settings, linger_ms=1)
+    n = int(args.rate * args.live_seconds)
+    started = time.monotonic()
+    for i, event in enumerate(interleaved(n, args.tokens, args.concurrent, seed=2, now=time.time())):
+        publisher.send(topics.events, event.episode_id.encode(), codec.encode(event))
+        ahead = i / args.rate - (time.monotonic() - started)
+        if ahead > 0.005:
+            time.sleep(ahead)
+    publisher.close()
+    time.sleep(5)
+    worker.send_signal(signal.SIGTERM)
+    worker.wait(60)
+    lags = sorted(m.timestamp()[1] - codec.decode(m.value()).ended_ts for m in read_topic(settings, topics.scored))
+    if not lags:
+        raise RuntimeError(f"no scored trajectories in {topics.scored}; see {args.log_dir}/{ns}.log")
+    return {"n": len(lags), "p50_ms": lags[len(lags) // 2], "p99_ms": lags[int(len(lags) * 0.99)],
+            "rate": args.rate}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--events", type=int, default=200_000)
+    p.add_argument("--partitions", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=64, help="generated tokens per turn")
+    p.add_argument("--concurrent", type=int, default=512, help="episodes open at once")
+    p.add_argument("--rate", type=float, default=4000, help="events/s for the latency run")
+    p.add_argument("--live-seconds", type=float, default=20)
+    p.add_argument("--warmup", type=float, default=10, help="seconds for the worker to join before the live run")
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--log-dir", default="/tmp")
+    p.add_argument("--skip-latency", action="store_true")
+    args = p.parse_args()
+    settings = Settings.from_env()
+    run = throughput(settings, args)
+    print(f"worker : {run['events']} events -> {run['scored']} scored in {run['seconds']:.1f}s = "
+          f"{run['events_per_s']:,.0f} events/s ({run['events_per_cpu_s']:,.0f} per CPU-second, "
+          f"{run['cpu_s']:.1f} CPU-s incl. start-up)")
+    top = ceiling(settings, Topics(str(run["ns"])).events, int(run["events"]))
+    print(f"ceiling: confluent-kafka consume + decode {top:,.0f} events/s; worker/ceiling = "
+          f"{run['events_per_s'] / top:.2f}")
+    if not args.skip_latency:
+        lat = latency(settings, args)
+        print(f"latency: EpisodeEnded -> scored at {lat['rate']:.0f} events/s: p50 {lat['p50_ms']:.0f} ms, "
+              f"p99 {lat['p99_ms']:.0f} ms ({lat['n']} trajectories)")
+
+
+if __name__ == "__main__":
+    main()

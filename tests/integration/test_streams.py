@@ -1,0 +1,206 @@
+"""The streams worker as a process against the real broker: outputs, dead letters, kill -9 recovery, determinism.
+
+Outputs are at-least-once: after a crash a trajectory may be re-sent, so these tests (like the shard writer)
+dedupe downstream by trajectory id; what must hold is that none is lost and none differs.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pytest
+from confluent_kafka import TopicPartition
+
+from infra.bootstrap import bootstrap
+from infra.kafka import Publisher, consumer, end_offsets, read_topic
+from infra.settings import Settings
+from schemas.codec import codec
+from schemas.records import DeadLetter, PipelineMetric, TaskStats, Trajectory
+from schemas.topics import Topics
+from tests.streams_data import RecordedStream, recorded_stream
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = ["--episode-timeout-s", "4", "--group-timeout-s", "4", "--sweep-interval-s", "0.5",
+        "--metrics-window-s", "1", "--dedupe-horizon-s", "3600"]
+
+
+class Worker:
+    """`python -m streams` as a child process, its log in `log`."""
+
+    def __init__(self, stack: Settings, ns: str, log: Path, *args: str) -> None:
+        env = {**os.environ, **stack.as_env(), "PYTHONUNBUFFERED": "1"}
+        self.log = log
+        self.proc = subprocess.Popen([sys.executable, "-m", "streams", "--ns", ns, *FAST, *args], cwd=ROOT, env=env,
+                                     stdout=subprocess.DEVNULL, stderr=log.open("a"))
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(60)
+
+    def kill(self) -> None:
+        self.proc.kill()  # SIGKILL: no flush, no commit
+        self.proc.wait(10)
+
+    def check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"the worker exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+
+
+def publish(stack: Settings, topics: Topics, messages: list[tuple[bytes, bytes]]) -> None:
+    publisher = Publisher(stack)
+    for key, value in messages:
+        publisher.send(topics.events, key, value)
+    publisher.close()
+
+
+def count(stack: Settings, topic: str) -> int:
+    return sum(hi - lo for lo, hi in end_offsets(stack, topic).values())
+
+
+def wait_until(check: Callable[[], bool], worker: Worker, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        worker.check_alive()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out; worker log:\n{worker.log.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+def records(stack: Settings, topic: str) -> list[Any]:
+    return [codec.decode(m.value()) for m in read_topic(stack, topic)]
+
+
+def by_id(stack: Settings, topic: str) -> dict[str, bytes]:
+    """Trajectory id -> record bytes; a re-sent record must be byte-identical to the first."""
+    out: dict[str, bytes] = {}
+    for message in read_topic(stack, topic):
+        tid = codec.decode(message.value(), expect=Trajectory).trajectory_id
+        assert out.setdefault(tid, message.value()) == message.value(), f"{tid} re-sent with different bytes"
+    return out
+
+
+def committed(stack: Settings, topics: Topics) -> int:
+    c = consumer(stack, topics.streams_app_id)
+    try:
+        parts = [TopicPartition(topics.events, p) for p in range(topics.partitions)]
+        return sum(max(tp.offset, 0) for tp in c.committed(parts, timeout=10))
+    finally:
+        c.close()
+
+
+def ended_ids(stream: RecordedStream) -> set[str]:
+    return {e.trajectory_id for e in stream.episodes}  # the abandoned one too: the sweeper closes it
+
+
+def metric_total(stack: Settings, topics: Topics, name: str) -> float:
+    return sum(m.value for m in records(stack, topics.metrics) if isinstance(m, PipelineMetric) and m.name == name)
+
+
+def run_to_completion(stack: Settings, topics: Topics, stream: RecordedStream, log: Path,
+                      worker: Optional[Worker] = None) -> Worker:
+    worker = worker or Worker(stack, topics.ns, log)
+    wait_until(lambda: count(stack, topics.scored) >= len(stream.expect_scored)
+               and count(stack, topics.trajectories) >= len(stream.episodes)
+               and count(stack, topics.deadletter) >= sum(stream.expect_reasons.values()), worker)
+    return worker
+
+
+def test_a_recorded_stream_gives_exactly_the_expected_outputs(stack: Settings, topics: Topics,
+                                                              tmp_path: Path) -> None:
+    stream = recorded_stream(run=topics.ns)
+    publish(stack, topics, stream.messages)
+    worker = run_to_completion(stack, topics, stream, tmp_path / "worker.log")
+    time.sleep(2)  # a metrics window after the last record
+    assert worker.stop() == 0, "SIGTERM must stop the worker cleanly"
+
+    scored = [codec.decode(v) for v in by_id(stack, topics.scored).values()]
+    assert sorted(t.trajectory_id for t in scored) == sorted(stream.expect_scored)
+    assert all(t.reward_fn == "default" and t.reward_version == "1" and t.reward_components for t in scored)
+    trajectories = records(stack, topics.trajectories)
+    assert {t.trajectory_id for t in trajectories} == ended_ids(stream)
+    assert Counter(t.status for t in trajectories if t.status != "completed") == {"abandoned": 1, "aborted": 1}
+    letters = records(stack, topics.deadletter)
+    assert all(isinstance(d, DeadLetter) and d.source_topic == topics.events for d in letters)
+    assert Counter(d.reason for d in letters) == stream.expect_reasons
+    stats = records(stack, topics.task_stats)
+    assert isinstance(stats[0], TaskStats) and {s.task_id for s in stats} >= {"math/g-math-allright"}
+    # every input event accounted for: folded, dead-lettered, or a counted duplicate
+    assert metric_total(stack, topics, "streams/duplicates") == stream.duplicates
+    assert metric_total(stack, topics, "streams/events") == stream.events
+    assert metric_total(stack, topics, "streams/accepted") + len(letters) + stream.duplicates == stream.events
+    assert sum(len(t.source_offsets) for t in trajectories) == metric_total(stack, topics, "streams/accepted")
+
+
+@pytest.mark.slow
+def test_kill_9_mid_stream_loses_no_episode_and_recovers_the_half_sent_ones(stack: Settings, topics: Topics,
+                                                                           tmp_path: Path) -> None:
+    stream = recorded_stream(run=topics.ns, bad=False, duplicates=0)
+    half = len(stream.messages) // 2
+    first, rest = stream.messages[:half], stream.messages[half:]
+    straddling = {k for k, _ in first} & {k for k, _ in rest}
+    assert straddling, "the split must leave episodes half sent"
+    publish(stack, topics, first)
+    log = tmp_path / "worker.log"
+    # half-sent episodes and groups must wait out the kill, not be abandoned or emitted short
+    patient = ("--episode-timeout-s", "30", "--group-timeout-s", "30")
+    worker = Worker(stack, topics.ns, log, *patient)
+    # the first half is processed and its offsets committed, so only the changelog remembers those events
+    wait_until(lambda: committed(stack, topics) >= half, worker)
+    worker.kill()
+    publish(stack, topics, rest)
+    worker = Worker(stack, topics.ns, log, *patient)
+    wait_until(lambda: len(by_id(stack, topics.scored)) >= len(stream.expect_scored)
+               and len(by_id(stack, topics.trajectories)) >= len(stream.episodes), worker, timeout=180)
+    assert worker.stop() == 0
+
+    trajectories = by_id(stack, topics.trajectories)
+    assert set(trajectories) == ended_ids(stream)
+    assert set(by_id(stack, topics.scored)) == stream.expect_scored
+    episodes = {e.episode_id.encode(): e for e in stream.episodes}
+    for key in straddling:
+        traj = codec.decode(trajectories[episodes[key].trajectory_id])
+        n_events = sum(1 for k, _ in stream.messages if k == key)
+        assert len(traj.source_offsets) == n_events, f"{key!r} lost the events from before the kill"
+        assert (traj.status == "abandoned") == (episodes[key].status is None)
+
+
+@pytest.mark.slow
+def test_the_same_input_twice_gives_byte_identical_scored_trajectories(stack: Settings, ns: str,
+                                                                        tmp_path: Path) -> None:
+    stream = recorded_stream(run="twice")
+    outputs = []
+    for suffix in ("a", "b"):
+        bootstrap(stack, ns + suffix, partitions=2)
+        topics = Topics(ns + suffix, partitions=2)
+        publish(stack, topics, stream.messages)
+        worker = run_to_completion(stack, topics, stream, tmp_path / f"worker-{suffix}.log")
+        assert worker.stop() == 0
+        outputs.append((by_id(stack, topics.scored), by_id(stack, topics.trajectories)))
+    (scored_a, trajectories_a), (scored_b, trajectories_b) = outputs
+    assert len(scored_a) == len(stream.expect_scored) and len(trajectories_a) == len(stream.episodes)
+    # the only difference allowed is source_topic, which names the namespace (same length here)
+    a_topic, b_topic = (Topics(ns + suffix).events.encode() for suffix in ("a", "b"))
+    assert {k: v.replace(a_topic, b_topic) for k, v in scored_a.items()} == scored_b
+    assert {k: v.replace(a_topic, b_topic) for k, v in trajectories_a.items()} == trajectories_b
+
+
+def test_a_namespace_that_was_not_bootstrapped_is_refused_with_the_fix(stack: Settings, ns: str) -> None:
+    env = {**os.environ, **stack.as_env()}
+    done = subprocess.run([sys.executable, "-m", "streams", "--ns", ns], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "python -m infra bootstrap" in done.stderr
+
+
+def test_a_partition_count_that_does_not_match_is_refused(stack: Settings, topics: Topics) -> None:
+    env = {**os.environ, **stack.as_env()}
+    done = subprocess.run([sys.executable, "-m", "streams", "--ns", topics.ns, "--partitions", "3"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "pass --partitions 2" in done.stderr
