@@ -172,10 +172,11 @@ def read_topic(settings: Settings, topic: str, timeout: float = 60.0) -> Iterato
             msg = c.poll(0.5)
             if msg is None:
                 continue
-            if msg.error():
-                if msg.error().retriable() or msg.error().code() in _AWAY:
+            err = msg.error()
+            if err is not None:
+                if err.retriable() or err.code() in _AWAY:
                     continue  # the broker is coming back: librdkafka reconnects, the deadline bounds it
-                raise KafkaException(msg.error())
+                raise KafkaException(err)
             part, offset = msg.partition() or 0, msg.offset() or 0
             if offset >= todo.get(part, -1) - 1:
                 todo.pop(part, None)

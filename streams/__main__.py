@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import signal
 import sys
 import time
 from typing import Any, Optional
@@ -52,6 +53,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     app = build_app(settings, platform, scorer=scorer)
+    # stopped as by SIGTERM, from the worker's own loop: an agent cannot stop the app it runs in
+    app.stop_worker = lambda: os.kill(os.getpid(), signal.SIGTERM)
     add_watchdog(app, argv)
     tune_gc()
     worker = app.Worker(loglevel=settings.log_level, logfile=None, quiet=True)

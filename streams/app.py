@@ -10,6 +10,7 @@ Every topic, changelogs included, is pre-created by `python -m infra bootstrap`;
 from __future__ import annotations
 
 from pathlib import Path
+import asyncio
 import logging
 from typing import Any, AsyncIterator, Awaitable, Optional
 
@@ -125,7 +126,7 @@ def _agents(app: faust.App, topics: Topics, settings: StreamSettings, pipeline: 
     async def assemble(stream: StreamT) -> AsyncIterator[int]:
         """clean -> assemble -> score: rollout events in, trajectories and dead letters out."""
         async for batch in batches(stream, settings.batch_max, settings.batch_wait_s):
-            await _or_stop(app, pipeline.on_events([event.message for event in batch]))
+            await _or_stop(app, pipeline.on_events([event.message for event in batch]))  # type: ignore[arg-type]
             for event in batch:
                 event.ack()
             yield len(batch)  # lets agent.test_context() see each batch done
@@ -134,7 +135,7 @@ def _agents(app: faust.App, topics: Topics, settings: StreamSettings, pipeline: 
     async def group(stream: StreamT) -> AsyncIterator[int]:
         """Scored trajectories in, groups with advantages and per-task pass rates out."""
         async for batch in batches(stream, settings.batch_max, settings.batch_wait_s):
-            await _or_stop(app, pipeline.on_trajectories([event.message for event in batch]))
+            await _or_stop(app, pipeline.on_trajectories([event.message for event in batch]))  # type: ignore[arg-type]
             for event in batch:
                 event.ack()
             yield len(batch)
@@ -155,8 +156,10 @@ async def _or_stop(app: StreamsApp, batch: Awaitable[None]) -> None:
         log.critical("a batch failed (%r): stopping the worker, to restart from the last commit", exc,
                      exc_info=True)
         app.failure = exc
-        await app.stop()
-        raise
+        if app.stop_worker is None:
+            raise
+        app.stop_worker()
+        await asyncio.Event().wait()  # the batch is never acked; the stop cancels this agent
 
 
 def _timers(app: faust.App, settings: StreamSettings, pipeline: Pipeline) -> None:

@@ -91,6 +91,7 @@ class StreamsApp(faust.App):
 
     outbox: Optional[Outbox] = None
     failure: Optional[BaseException] = None  # set when a batch failed: the worker exits non-zero
+    stop_worker: Optional[Callable[[], None]] = None  # how a failed batch stops the worker (set by __main__)
     on_stopping: Optional[Callable[[], Awaitable[None]]] = None  # e.g. publish the last metrics window
 
     async def on_stop(self) -> None:
