@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import ConfigResource, NewTopic
 
-from infra.kafka import admin
+from infra.kafka import admin, while_broker_away
 from infra.objectstore import ObjectStore
 from infra.settings import Settings
 from schemas.errors import InfraError
@@ -50,7 +50,8 @@ def topic_config(settings: Settings, topic: str, timeout: float = 10.0) -> dict[
 
 
 def partition_count(settings: Settings, topic: str, timeout: float = 10.0) -> int:
-    meta = admin(settings).list_topics(topic, timeout=timeout)
+    client = admin(settings)
+    meta = while_broker_away(f"metadata of {topic}", lambda: client.list_topics(topic, timeout=timeout))
     if topic not in meta.topics or meta.topics[topic].error is not None:
         raise InfraError(f"topic {topic} does not exist; run `python -m infra bootstrap --ns NAME`")
     return len(meta.topics[topic].partitions)

@@ -62,9 +62,7 @@ class Run:
 def platform() -> Settings:
     launcher = Launcher()
     launcher.up()
-    creds = launcher.minio_credentials()
-    return Settings(launcher.kafka.address, launcher.minio.address, creds["MINIO_ROOT_USER"],
-                    creds["MINIO_ROOT_PASSWORD"])
+    return launcher.settings()
 
 
 def quota(args: argparse.Namespace) -> int:

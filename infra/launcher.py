@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from infra.settings import DEFAULT_KAFKA_PORT, DEFAULT_MINIO_PORT, cache_dir, state_credentials
+from infra.settings import DEFAULT_KAFKA_PORT, DEFAULT_MINIO_PORT, Settings, cache_dir, state_credentials
 from schemas.errors import InfraError
 
 KAFKA_VERSION = "4.1.1"
@@ -204,6 +204,11 @@ class Launcher:
         path.touch(mode=0o600)
         path.write_text("".join(f"{k}={v}\n" for k, v in creds.items()))
         return creds
+
+    def settings(self) -> Settings:
+        """How a client reaches these two servers."""
+        creds = self.minio_credentials()
+        return Settings(self.kafka.address, self.minio.address, creds["MINIO_ROOT_USER"], creds["MINIO_ROOT_PASSWORD"])
 
     def start_minio(self) -> str:
         server = self.minio

@@ -2,16 +2,16 @@
 
     app = build_app(settings, platform)      # settings.partitions must be known (see __main__)
     app.pipeline                             # the stages the agents and timers call
-    app.main()                               # or: python -m streams --ns NAME
+    app.Worker(loglevel="info").execute_from_commandline()   # what `python -m streams --ns NAME` runs
 
 Agents are thin loops over `streams.pipeline`; each keeps concurrency=1 so offsets commit in order.
 Every topic, changelogs included, is pre-created by `python -m infra bootstrap`; the app never declares one.
 """
 from __future__ import annotations
 
-from pathlib import Path
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Optional
 
 import faust

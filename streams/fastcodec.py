@@ -1,17 +1,8 @@
-"""Hot-path reads of the codec's records: the same bytes and the same records as `schemas.codec`, cheaper.
+"""Hot-path reads of the codec's records: the same records as `schemas.codec`, cheaper.
 
     event = decode_event(data)             # a RolloutEvent, as codec.decode gives it
     head = read_summary(data)              # what grouping needs of a Trajectory, without its turns
     scored = with_advantage(data, head.advantage_at, advantage, mean, std)
-
-- Events written with the current schema are read without schema resolution and built without the
-  dataclass constructors (their fields come straight from the schema, so there is nothing to check);
-  anything else goes through `codec.decode`, which also names the error of bad bytes.
-- An Avro record is its fields' encodings back to back, so a Trajectory read with a schema of its leading
-  fields stops exactly where `advantage` starts; the fields grouping skips (turns, prompt, task_spec) are
-  skipped in C by schema resolution, never built as objects.
-- advantage, group_reward_mean and group_reward_std are consecutive doubles (8 bytes each, little-endian),
-  so the scored record is the trajectory with those 24 bytes replaced: no decode and re-encode of turns.
 """
 from __future__ import annotations
 
@@ -38,7 +29,9 @@ TAIL_FIELDS = ("ended_ts", "group_size")
 
 
 def decode_event(data: bytes) -> RolloutEvent:
-    """codec.decode(data, expect=RolloutEvent), with the fast path for the current schema."""
+    """codec.decode(data, expect=RolloutEvent), faster for the current schema: no schema resolution, and the
+    records built without their constructors (the schema reader has typed every field). Anything else,
+    bad bytes included, goes through the codec, which names the error."""
     if data[:HEADER_LEN] != _EVENT_HEADER:
         return codec.decode(data, expect=RolloutEvent)  # type: ignore[no-any-return]
     buf = io.BytesIO(data)
@@ -86,6 +79,13 @@ class Summary:
 
 
 def _split_schemas() -> tuple[Any, Any, Any, Any]:
+    """Writer and reader schemas of the fields before advantage (Head) and from it on (Tail).
+
+    An Avro record is its fields' encodings back to back, so a Trajectory read with the Head schema stops
+    exactly where advantage starts; fields the reader leaves out (turns, prompt, task_spec) are skipped in
+    C, never built. advantage, group_reward_mean and group_reward_std are consecutive doubles (8 bytes
+    each), so the scored record is the trajectory with those 24 bytes replaced.
+    """
     fields = _TRAJECTORY.expanded["fields"]
     names = [f["name"] for f in fields]
     at = names.index(SCORE_FIELDS[0])

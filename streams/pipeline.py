@@ -1,6 +1,6 @@
 """The worker's stages over batches of messages: clean -> assemble -> score, then group; sweeper; metrics.
 
-    pipeline = Pipeline(settings, tables, outbox, scorer)
+    pipeline = Pipeline(settings, topics, tables, outbox, scorer)
     await pipeline.on_events(messages)          # <ns>.rollout.events -> <ns>.trajectories | deadletter
     await pipeline.on_trajectories(messages)    # <ns>.trajectories  -> <ns>.trajectories.scored, task.stats
     await pipeline.sweep()                      # abandon idle episodes, emit timed-out groups, forget old markers
@@ -9,7 +9,8 @@
 Every input event ends in exactly one place: folded into an episode (and so in its trajectory, or in the
 dead letter of that trajectory), dead-lettered itself with a reason, or counted as a duplicate. Outputs
 are keyed and derived from the log only (ids from episode ids, timestamps from events), so reprocessing
-after a crash re-sends identical records: consumers dedupe by trajectory id.
+after a crash re-sends identical records: consumers dedupe by trajectory id. Trajectories and scored
+trajectories are keyed by group_id, so a group's members share a partition (and sit together in shards).
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ from streams.validation import DEFAULT_LIMITS, Limits, decode_event, validate
 
 log = logging.getLogger(__name__)
 MAX_DETAIL = 2000
-# Closed markers are few per sweep; scanning them every sweep would cost more than it frees.
+# Markers outlive episodes by the dedupe horizon: looking for expired ones every sweep would cost more
+# than it frees.
 PRUNE_EVERY = 30
 
 
@@ -107,8 +109,10 @@ class Pipeline:
         self.metrics = metrics or Metrics()
         self.limits = limits
         self.ready = ready
-        # The timers and the agents share tables; a batch holds this across its awaits (claims).
-        self.lock = asyncio.Lock()
+        # The timers and the agents share tables; a batch holds its stage's lock across its awaits (claims,
+        # flushes), while the other stage, which has its own tables, may run.
+        self.episode_lock = asyncio.Lock()
+        self.group_lock = asyncio.Lock()
         self.event_watermark: dict[int, int] = {}  # partition of events -> max event ts seen
         self.group_watermark: dict[int, int] = {}  # partition of trajectories -> max ended_ts seen
         self.window_start = _now_ms()
@@ -116,7 +120,7 @@ class Pipeline:
 
     # ---- clean -> assemble -> score ----------------------------------------------------------
     async def on_events(self, messages: list[Message]) -> None:
-        async with self.lock:
+        async with self.episode_lock:
             cleaned = [self._clean(m) for m in messages]
             await self._check_claims([c for c in cleaned if c is not None and _claimed(c.event)])
             batch = EpisodeBatch()
@@ -161,20 +165,10 @@ class Pipeline:
         partition = item.message.partition
         self.event_watermark[partition] = max(self.event_watermark.get(partition, 0), event.ts)
         episode = batch.logs.get(key) or self.tables.episodes.get(key)
-        closed = self.tables.seen.get(key) if episode is None else None
-        if episode is not None and episode.state.ended is not None:
-            closed = assembly.close(episode.state, episode.state.ended.status)  # ended earlier in this batch
         try:
-            if closed is not None:
-                assembly.classify_late(closed, event)
+            if self._is_duplicate(key, episode, item):
                 self.metrics.count("streams/duplicates")
                 return
-            if episode is not None and assembly.is_duplicate(episode.state, event):
-                self.metrics.count("streams/duplicates")
-                return
-            if episode is not None and partition != episode.state.partition:
-                raise ValidationError("bad_step", f"episode {event.episode_id} came on partition "
-                                                  f"{episode.state.partition}, this event on {partition}")
             state = assembly.fold(episode.state if episode else None, event, item.position)
         except ValidationError as exc:
             self._reject(item.message, exc.reason, exc.detail, "assemble", event)
@@ -189,6 +183,22 @@ class Pipeline:
         batch.logs[key] = episode.extend(state, raw) if episode else EpisodeLog(state, (raw,))
         if state.ended is not None:
             batch.ended.append(key)
+
+    def _is_duplicate(self, key: bytes, episode: Optional[EpisodeLog], item: Incoming) -> bool:
+        """True for an event already taken; ValidationError for one that cannot join its episode any more."""
+        if episode is None:
+            closed = self.tables.seen.get(key)
+        elif episode.state.ended is not None:  # ended earlier in this batch
+            closed = assembly.close(episode.state, episode.state.ended.status)
+        else:
+            if item.message.partition != episode.state.partition:
+                raise ValidationError("bad_step", f"episode {item.event.episode_id} came on partition "
+                                                  f"{episode.state.partition}, this event on {item.message.partition}")
+            return assembly.is_duplicate(episode.state, item.event)
+        if closed is None:
+            return False
+        assembly.classify_late(closed, item.event)
+        return True
 
     async def _publish_trajectory(self, state: EpisodeState, status: Optional[str]) -> None:
         """The episode's trajectory (or its dead letter) to the outbox."""
@@ -249,7 +259,7 @@ class Pipeline:
 
     # ---- group -------------------------------------------------------------------------------
     async def on_trajectories(self, messages: list[Message]) -> None:
-        async with self.lock:
+        async with self.group_lock:
             touched: dict[bytes, GroupState] = {}
             for message in messages:
                 self._add_to_group(message, touched)
@@ -329,19 +339,21 @@ class Pipeline:
         """Close idle episodes as abandoned, emit groups past their timeout, forget markers past the horizon."""
         if not self.ready():
             return
-        async with self.lock:
+        async with self.episode_lock:
             idle = [(key, episode, True) for key, episode in self.tables.episodes.items()
                     if self._idle_ms(self.event_watermark, episode.state.last_ts, episode.touched,
                                      episode.state.partition) > self.settings.episode_timeout_s * 1000]
             for _, episode, _ in idle:
                 await self._publish_trajectory(episode.state, ABANDONED)
             await self._forget_episodes(idle, ABANDONED)
+        async with self.group_lock:
             late = [(key, group) for key, group in self.tables.groups.items() if isinstance(group, GroupState)
                     and self._idle_ms(self.group_watermark, group.first_ts, group.since, group.partition)
                     > self.settings.group_timeout_s * 1000]
             await self._emit_groups(late, timed_out=True)
-            self.sweeps += 1
-            if self.sweeps % PRUNE_EVERY == 0:
+        self.sweeps += 1
+        if self.sweeps % PRUNE_EVERY == 0:
+            async with self.episode_lock, self.group_lock:
                 self.prune()
 
     def prune(self) -> None:

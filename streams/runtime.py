@@ -1,16 +1,9 @@
-"""Faust plumbing that keeps Faust's guarantees (consumer group, acks, commits, table recovery) at batch cost.
+"""Faust plumbing at batch cost, keeping Faust's consumer group, acks, commits and table recovery.
 
-Measured on 2 cores, a Faust agent that does nothing moves ~5k events/s, `stream.take` included: the
-consumer wraps every message in `wait_first` (four asyncio tasks a message) and the stream iterates one
-event at a time. Here instead:
-
-- `BatchConsumer` hands fetched messages to the conductor directly (checking flow control per message,
-  without a task per message);
-- `batches(stream)` drains the agent's channel queue a batch at a time; the agent acks each event after
-  its outputs are queued, so Faust commits exactly as for a plain agent;
-- `OutboxProducer.flush` (awaited by Faust before every offset commit) also flushes the worker's outbox;
-- `PartitionedTable` writes a table key with an explicit changelog partition, which Faust's dict API
-  cannot do outside an event (timers, batches spanning partitions).
+    async for batch in batches(stream, max_size=4000, wait_s=0.02):   # events of one agent
+        ...                                                          # outputs to app.outbox
+        for event in batch:
+            event.ack()                                              # then Faust may commit them
 """
 from __future__ import annotations
 
@@ -28,7 +21,12 @@ SMALL_BATCH = 8  # a batch under 1/8 of the maximum waits for more events
 
 
 class BatchConsumer(driver.Consumer):
-    """Faust's aiokafka consumer without the per-message `wait_first`."""
+    """Faust's aiokafka consumer without the per-message `wait_first`.
+
+    Measured on 2 cores, a Faust agent that does nothing moves ~5k events/s, `stream.take` included: the
+    consumer wraps every message in `wait_first` (four asyncio tasks a message), and the stream iterates one
+    event at a time. This hands each message to the conductor directly; `batches` then skips the stream.
+    """
 
     async def _drain_messages(self, fetcher: Any) -> None:  # pragma: no cover - runs against a broker
         callback = self.callback
@@ -135,8 +133,9 @@ def _drain(queue: Any, batch: list[EventT], max_size: int) -> None:
 class PartitionedTable(Generic[V]):
     """A Faust table read as a dict and written with an explicit changelog partition, through the outbox.
 
-    The in-memory store is what Faust recovers from the changelog on start, so a restarted worker sees
-    every value written here before its last committed offset.
+    Faust's dict API takes the partition from the current event, which a timer has not and a batch has
+    many of. The in-memory store is what Faust recovers from the changelog on start, so a restarted
+    worker sees every value written here before its last committed offset.
     """
 
     def __init__(self, table: TableT, dump: Any) -> None:

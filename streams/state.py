@@ -3,8 +3,9 @@
 An open episode is stored as the events that built it, byte for byte as they came, with their source
 positions; recovery folds them again. So a changelog write is a concatenation, never a re-encoding, and
 the format follows the event schemas (a newer worker reads what an older one wrote through the codec).
-An open group is stored likewise as its members' Trajectory records. Closed markers and task counts are
-small JSON objects. Every value starts with a 4-byte tag naming its format.
+An open group is stored likewise as its members' Trajectory records. A closed episode and a task count
+are small JSON objects; the binary values (open episodes, open and closed groups) start with a 4-byte tag
+naming their format.
 """
 from __future__ import annotations
 

@@ -43,9 +43,7 @@ def launcher_stack() -> Iterator[Settings]:
 
     launcher = Launcher()
     launcher.up()  # idempotent: reuses servers that .ci/run or a developer already started
-    creds = launcher.minio_credentials()
-    yield Settings(kafka_bootstrap=launcher.kafka.address, s3_endpoint=launcher.minio.address,
-                   s3_access_key=creds["MINIO_ROOT_USER"], s3_secret_key=creds["MINIO_ROOT_PASSWORD"])
+    yield launcher.settings()
 
 
 def real_stack() -> contextlib.AbstractContextManager[Settings]:

@@ -97,13 +97,10 @@ def bench_broker(n: int) -> None:
     from infra.bootstrap import bootstrap
     from infra.kafka import Publisher, consumer
     from infra.launcher import Launcher
-    from infra.settings import Settings
 
     launcher = Launcher()
     launcher.up()
-    creds = launcher.minio_credentials()
-    settings = Settings(launcher.kafka.address, launcher.minio.address, creds["MINIO_ROOT_USER"],
-                        creds["MINIO_ROOT_PASSWORD"])
+    settings = launcher.settings()
     ns = f"bench-{uuid.uuid4().hex[:8]}"
     bootstrap(settings, ns)
     topic = f"{ns}.rollout.events"

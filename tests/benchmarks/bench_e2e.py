@@ -137,9 +137,7 @@ def main() -> None:
     torch.set_num_threads(2)
     launcher = Launcher()
     launcher.up()
-    creds = launcher.minio_credentials()
-    settings = Settings(launcher.kafka.address, launcher.minio.address, creds["MINIO_ROOT_USER"],
-                        creds["MINIO_ROOT_PASSWORD"])
+    settings = launcher.settings()
     sync = synchronous(args.updates)
     pipe = pipeline(args.updates, settings)
     print(f"tiny Llama ({LAYERS} layers, width {WIDTH}), math-easy, G={GROUP}, {BATCH} trajectories per update, "

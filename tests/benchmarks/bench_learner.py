@@ -113,9 +113,7 @@ def main() -> None:
     torch.set_num_threads(2)
     launcher = Launcher()
     launcher.up()
-    creds = launcher.minio_credentials()
-    settings = Settings(launcher.kafka.address, launcher.minio.address, creds["MINIO_ROOT_USER"],
-                        creds["MINIO_ROOT_PASSWORD"])
+    settings = launcher.settings()
     ns = f"bench-learner-{uuid.uuid4().hex[:6]}"
     bootstrap(settings, ns, partitions=1)
     store = ObjectStore(settings)

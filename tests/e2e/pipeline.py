@@ -34,9 +34,7 @@ class PipelineRun:
         self.launcher = Launcher(state_dir=self.root / "stack", kafka_port=free_port_pair(),
                                  minio_port=free_port_pair())
         self.launcher.up()
-        creds = self.launcher.minio_credentials()
-        self.settings = Settings(self.launcher.kafka.address, self.launcher.minio.address,
-                                 creds["MINIO_ROOT_USER"], creds["MINIO_ROOT_PASSWORD"])
+        self.settings = self.launcher.settings()
 
     @property
     def topics(self) -> Topics:

@@ -90,9 +90,7 @@ def test_killing_the_broker_mid_run_loses_no_event(tmp_path: Path) -> None:
     launcher = Launcher(state_dir=tmp_path / "stack", kafka_port=free_port_pair(), minio_port=free_port_pair())
     launcher.up()
     try:
-        creds = launcher.minio_credentials()
-        own = Settings(launcher.kafka.address, launcher.minio.address, creds["MINIO_ROOT_USER"],
-                       creds["MINIO_ROOT_PASSWORD"])
+        own = launcher.settings()
         bootstrap(own, "outage")
         env = {**own.as_env(), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
         proc = subprocess.Popen(

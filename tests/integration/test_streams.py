@@ -12,18 +12,20 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 from confluent_kafka import TopicPartition
 
 from infra.bootstrap import bootstrap
+from infra.claims import offload
 from infra.kafka import Publisher, consumer, end_offsets, read_topic
+from infra.objectstore import ObjectStore
 from infra.settings import Settings
 from schemas.codec import codec
-from schemas.records import DeadLetter, PipelineMetric, TaskStats, Trajectory
+from schemas.records import DeadLetter, PipelineMetric, PolicyTurn, TaskStats, Trajectory
 from schemas.topics import Topics
-from tests.streams_data import RecordedStream, recorded_stream
+from tests.streams_data import Episode, RecordedStream, events_of, recorded_stream
 
 pytestmark = pytest.mark.integration
 
@@ -32,14 +34,28 @@ FAST = ["--episode-timeout-s", "4", "--group-timeout-s", "4", "--sweep-interval-
         "--metrics-window-s", "1", "--dedupe-horizon-s", "3600"]
 
 
+STARTED: list["Worker"] = []
+
+
+@pytest.fixture(autouse=True)
+def no_worker_outlives_its_test() -> Iterator[None]:
+    yield
+    while STARTED:
+        worker = STARTED.pop()
+        if worker.proc.poll() is None:
+            worker.kill()
+
+
 class Worker:
     """`python -m streams` as a child process, its log in `log`."""
 
     def __init__(self, stack: Settings, ns: str, log: Path, *args: str) -> None:
-        env = {**os.environ, **stack.as_env(), "PYTHONUNBUFFERED": "1"}
+        # no restart on failure: a test must see it
+        env = {**os.environ, **stack.as_env(), "PYTHONUNBUFFERED": "1", "TRAJPIPE_STREAMS_RESTARTS": "1000"}
         self.log = log
         self.proc = subprocess.Popen([sys.executable, "-m", "streams", "--ns", ns, *FAST, *args], cwd=ROOT, env=env,
                                      stdout=subprocess.DEVNULL, stderr=log.open("a"))
+        STARTED.append(self)
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
@@ -190,6 +206,26 @@ def test_the_same_input_twice_gives_byte_identical_scored_trajectories(stack: Se
     a_topic, b_topic = (Topics(ns + suffix).events.encode() for suffix in ("a", "b"))
     assert {k: v.replace(a_topic, b_topic) for k, v in scored_a.items()} == scored_b
     assert {k: v.replace(a_topic, b_topic) for k, v in trajectories_a.items()} == trajectories_b
+
+
+def test_claim_checked_turns_are_fetched_from_the_object_store(stack: Settings, topics: Topics, store: ObjectStore,
+                                                              tmp_path: Path) -> None:
+    kept, lost = Episode("ep-claim-0", "g-claim", "math", 2, True), Episode("ep-claim-1", "g-claim", "math", 2, False)
+    messages = []
+    for ep in (kept, lost):
+        for event in events_of(ep, 1_000, run=topics.ns):
+            event = offload(event, store, topics.ns, threshold=8)  # every PolicyTurn goes through MinIO
+            if isinstance(event.body, PolicyTurn) and ep is lost:
+                store.delete(event.body.claim.key)  # type: ignore[union-attr]
+            messages.append((ep.episode_id.encode(), codec.encode(event)))
+    publish(stack, topics, messages)
+    worker = Worker(stack, topics.ns, tmp_path / "worker.log")
+    wait_until(lambda: count(stack, topics.trajectories) >= 1 and count(stack, topics.deadletter) >= 2, worker)
+    assert worker.stop() == 0
+    (traj,) = records(stack, topics.trajectories)
+    original = events_of(kept, 1_000, run=topics.ns)[1].body
+    assert traj.episode_id == kept.episode_id and traj.turns[0].tokens == original.tokens
+    assert [d.reason for d in records(stack, topics.deadletter)] == ["claim_unavailable", "bad_step"]
 
 
 def test_a_namespace_that_was_not_bootstrapped_is_refused_with_the_fix(stack: Settings, ns: str) -> None:
