@@ -46,9 +46,9 @@ def tune_gc() -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     try:
         settings = StreamSettings.from_args(argv)
+        scorer = Scorer.load(settings.reward_fn, settings.reward_version)
         platform = Settings.from_env()
         settings = with_partitions(settings, platform)
-        scorer = Scorer.load(settings.reward_fn, settings.reward_version)
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

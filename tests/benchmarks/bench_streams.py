@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -34,7 +35,8 @@ from infra.bootstrap import bootstrap  # noqa: E402
 from infra.kafka import Publisher, consumer_config, end_offsets, read_topic  # noqa: E402
 from infra.settings import Settings  # noqa: E402
 from schemas.codec import codec  # noqa: E402
-from schemas.records import EpisodeEnded, RolloutEvent  # noqa: E402
+from schemas.packing import pack_floats, pack_ids  # noqa: E402
+from schemas.records import Body, EpisodeEnded, PolicyTurn, RolloutEvent  # noqa: E402
 from schemas.topics import Topics  # noqa: E402
 from tests.streams_data import Episode, bodies  # noqa: E402
 
@@ -50,12 +52,8 @@ def episodes(n_groups: int, group_size: int, seed: int) -> Iterator[Episode]:
                           turns=2 if domain == "code" else 1)
 
 
-def with_tokens(ep: Episode, tokens: int) -> list:  # type: ignore[type-arg]
-    from dataclasses import replace
-
-    from schemas.packing import pack_floats, pack_ids
-    from schemas.records import PolicyTurn
-
+def with_tokens(ep: Episode, tokens: int) -> list[Body]:
+    """The episode's bodies with `tokens` generated tokens a turn."""
     out = []
     for body in bodies(ep):
         if isinstance(body, PolicyTurn):
@@ -83,8 +81,8 @@ def interleaved(n_events: int, tokens: int, concurrent: int, seed: int, now: Opt
         event = open_[i].pop(0)
         if not open_[i]:
             open_.pop(i)
-        if now is not None:
-            event = event.__class__(**{**event.__dict__, "ts": int(time.time() * 1000)})
+        if now is not None:  # live: the event happens now
+            event = replace(event, ts=int(time.time() * 1000))
         yield event
         emitted += 1
 

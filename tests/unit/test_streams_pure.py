@@ -15,7 +15,6 @@ from schemas.packing import pack_floats, pack_ids, split_payload
 from schemas.records import (
     ClaimCheck,
     EpisodeEnded,
-    EpisodeStarted,
     PolicyTurn,
     RolloutEvent,
     SandboxResult,
