@@ -58,33 +58,17 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-class TimestampedPublisher(Publisher):
-    """The Publisher, producing with a given record timestamp so the copy keeps the original's time index."""
-
-    def send_at(self, topic: str, rec: ArchivedEvent) -> None:
-        kwargs: dict[str, Any] = {"key": rec.key, "value": rec.value, "partition": rec.partition,
-                                  "timestamp": rec.timestamp, "on_delivery": self._delivered}
-        if rec.headers:
-            kwargs["headers"] = list(rec.headers)
-        while True:
-            try:
-                self._producer.produce(topic, **kwargs)
-                break
-            except BufferError:
-                self._producer.poll(0.05)
-        self.stats.sent += 1
-        self._producer.poll(0)
-
-
 class TopicSink:
     """Writes replayed records to the events topic of the target namespace."""
 
     def __init__(self, settings: Settings, topic: str) -> None:
         self.topic = topic
-        self.publisher = TimestampedPublisher(settings)
+        self.publisher = Publisher(settings)
 
     def send(self, rec: ArchivedEvent) -> None:
-        self.publisher.send_at(self.topic, rec)
+        # Same partition, key, headers and record timestamp: the copy keeps the original's order and time index.
+        self.publisher.send(self.topic, rec.key, rec.value, headers=list(rec.headers) or None,
+                            partition=rec.partition, timestamp=rec.timestamp)
 
     def close(self) -> None:
         self.publisher.close()

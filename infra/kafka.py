@@ -123,13 +123,19 @@ class Publisher:
             self._on_delivery(msg)
 
     def send(self, topic: str, key: Optional[bytes | str], value: bytes,
-             headers: Optional[list[tuple[str, bytes]]] = None, partition: Optional[int] = None) -> None:
-        """Queue one record; when the local buffer is full, wait for deliveries (never drop)."""
+             headers: Optional[list[tuple[str, Optional[bytes]]]] = None, partition: Optional[int] = None,
+             timestamp: Optional[int] = None) -> None:
+        """Queue one record; when the local buffer is full, wait for deliveries (never drop).
+
+        `timestamp` (ms) keeps a copied record's time index (replay); default: the producer's clock.
+        """
         kwargs: dict[str, Any] = {"key": key, "value": value, "on_delivery": self._delivered}
         if headers:
             kwargs["headers"] = headers
         if partition is not None:
             kwargs["partition"] = partition
+        if timestamp is not None:
+            kwargs["timestamp"] = timestamp
         while True:
             try:
                 self._producer.produce(topic, **kwargs)
