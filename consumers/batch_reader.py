@@ -32,13 +32,14 @@ from infra.kafka import consumer, while_broker_away
 from infra.objectstore import ObjectStore
 from infra.settings import Settings
 from schemas.codec import codec
-from schemas.errors import ConfigError, DecodeError, ObjectNotFound, ObjectStoreError
+from schemas.errors import ConfigError, DecodeError, IntegrityError, ObjectNotFound, ObjectStoreError
 from schemas.records import BatchManifest, Trajectory
 from schemas.topics import Topics
 
 __all__ = ["BatchReader", "LoadedBatch", "ShardCache", "parse_batch_id", "policy_versions"]
 
 log = logging.getLogger(__name__)
+TOPIC_SETTLE_S = 15.0  # as infra.bootstrap.partition_count: a fresh broker's metadata may lag its topics
 Source = tuple[str, int]  # (source topic, source partition)
 
 
@@ -65,6 +66,9 @@ class LoadedBatch:
     partition: int = 0
     # Not fetched: even its newest turn is more than max_policy_lag versions old (see set_policy_version).
     stale: bool = False
+    # Why it has no trajectories though it should (its shard is missing, corrupt or undecodable): the learner
+    # skips it with this reason, which its next checkpoint's manifest records.
+    problem: str = ""
     wait_s: float = 0.0  # how long next_batch waited for it
 
     @property
@@ -128,7 +132,8 @@ class BatchReader:
         self._policy_version: Optional[int] = None
         self._counts = {"time/wait_data_s": 0.0, "reader/batches": 0.0, "reader/trajectories": 0.0,
                         "reader/duplicates": 0.0, "reader/bad_manifests": 0.0, "reader/stale_batches": 0.0,
-                        "reader/store_waits": 0.0}
+                        "reader/store_waits": 0.0, "reader/missing_shards": 0.0, "reader/corrupt_shards": 0.0,
+                        "reader/undecodable_shards": 0.0}
         self._positions = self._committed_positions()
         self._reset_pipeline()
         self._consumer.assign([TopicPartition(self.topic, p, o) for p, o in self._positions.items()])
@@ -317,10 +322,18 @@ class BatchReader:
         if self._is_stale(manifest):
             self._counts["reader/stale_batches"] += 1
             return LoadedBatch(manifest, (), offset, partition, stale=True)
-        data = self._fetch(manifest)
-        if data is None:
-            return None
-        return LoadedBatch(manifest, tuple(read_shard(data)), offset, partition)
+        try:
+            data = self._fetch(manifest)
+            if data is None:
+                return None
+            return LoadedBatch(manifest, tuple(read_shard(data)), offset, partition)
+        except (ObjectNotFound, IntegrityError, DecodeError) as exc:
+            kind = ("missing_shards" if isinstance(exc, ObjectNotFound) else
+                    "corrupt_shards" if isinstance(exc, IntegrityError) else "undecodable_shards")
+            self._counts[f"reader/{kind}"] += 1
+            problem = f"shard {manifest.key} of batch {manifest.batch_id}: {kind.replace('_', ' ')[:-1]} ({exc})"
+            log.error("%s; the batch is skipped, and recorded as skipped in the next checkpoint", problem)
+            return LoadedBatch(manifest, (), offset, partition, problem=problem[:500])
 
     def _is_stale(self, m: BatchManifest) -> bool:
         current, lag = self._policy_version, self.max_policy_lag
@@ -332,7 +345,7 @@ class BatchReader:
             try:
                 return self.cache.fetch(m.sha256, lambda: self.store.get(m.key, sha256=m.sha256))
             except ObjectNotFound:
-                raise  # a manifest whose shard is gone: a human must decide, never skip silently
+                raise  # gone for good, not an outage: skipped loudly by the caller
             except ObjectStoreError as exc:
                 self._counts["reader/store_waits"] += 1
                 log.warning("waiting for the object store to fetch %s: %s", m.key, exc)
@@ -344,9 +357,16 @@ class BatchReader:
         return while_broker_away(f"committed offsets on {self.topic}", self._read_committed)
 
     def _read_committed(self) -> dict[int, int]:
-        meta = self._consumer.list_topics(self.topic, timeout=10)
-        if meta.topics[self.topic].error is not None:
-            raise ConfigError(f"topic {self.topic} does not exist; run `python -m infra bootstrap --ns NAME`")
+        # A broker that has just started can deny a topic bootstrap created seconds earlier (its metadata
+        # still loading): asked again for up to TOPIC_SETTLE_S before the topic is called missing.
+        deadline = time.monotonic() + TOPIC_SETTLE_S
+        while True:
+            meta = self._consumer.list_topics(self.topic, timeout=10)
+            if meta.topics[self.topic].error is None:
+                break
+            if time.monotonic() >= deadline:
+                raise ConfigError(f"topic {self.topic} does not exist; run `python -m infra bootstrap --ns NAME`")
+            time.sleep(1.0)
         parts = sorted(meta.topics[self.topic].partitions)
         committed = self._consumer.committed([TopicPartition(self.topic, p) for p in parts], timeout=10)
         out = {}

@@ -43,6 +43,7 @@ class OpenBatch:
     offsets: list[int] = field(default_factory=list)
     nbytes: int = 0
     end: int = -1  # highest offset consumed into this batch, dead-lettered records included
+    ids: set[str] = field(default_factory=set)
 
     @property
     def first(self) -> int:
@@ -55,6 +56,7 @@ class OpenBatch:
     def append(self, offset: int, trajectory: Trajectory, size: int) -> None:
         self.offsets.append(offset)
         self.trajectories.append(trajectory)
+        self.ids.add(trajectory.trajectory_id)
         self.nbytes += size
         self.end = offset
 
@@ -92,6 +94,12 @@ class Batcher:
         if batch is not None and batch.planned_last is not None and offset <= batch.planned_last:
             return True
         return any(first <= offset <= last for first, last in self.plans.get(partition, {}).items())
+
+    def holds(self, partition: int, trajectory_id: str) -> bool:
+        """Whether the open batch of `partition` already has this trajectory (re-emitted upstream before the
+        batch was written: both copies would otherwise go into one shard)."""
+        batch = self.open.get(partition)
+        return batch is not None and trajectory_id in batch.ids
 
     def skip(self, partition: int, offset: int) -> Optional[int]:
         """A record that went elsewhere (dead letter): the offset to commit now, or None if a batch covers it."""

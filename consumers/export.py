@@ -28,7 +28,7 @@ from typing import Any, Iterable, Optional
 from consumers.shards import read_shard
 from infra.kafka import read_topic
 from infra.objectstore import ObjectStore
-from infra.settings import Settings
+from infra.settings import Settings, add_ns_argument
 from schemas.codec import codec
 from schemas.errors import ConfigError, DecodeError, PipelineError
 from schemas.records import BatchManifest, Trajectory
@@ -190,7 +190,7 @@ def write_rows(rows: list[Row], out: Path) -> None:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m consumers.export", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--ns", required=True)
+    add_ns_argument(p)
     p.add_argument("--format", choices=("sft", "dpo"), required=True)
     p.add_argument("--out", type=Path, required=True, help="FILE.jsonl or FILE.parquet")
     p.add_argument("--style", choices=STYLES, default="completion", help="plain text or chat messages")

@@ -3,9 +3,14 @@
     python -m consumers.lineage --ns NS TRAJECTORY_ID          # readable
     python -m consumers.lineage --ns NS TRAJECTORY_ID --json   # one JSON document
 
-Source events are read from the topic the trajectory names, or from the archive when retention removed them.
-Checkpoints come from <ns>.policy.checkpoints; that topic is compacted by run, so when no announcement lists the
-batch any more, the checkpoint manifests in the object store are searched instead.
+The trajectory is found through the batch manifests (each names the trajectory ids of its batch and the few
+offsets of the scored topic they cover, and its shard in the object store), so a query reads the small batches
+topic and a batch's range, never a whole trajectory topic; only a trajectory no batch carries yet is searched
+for on both trajectory topics. Source events are read at their offsets from the topic the trajectory names, or
+from the archive when retention removed them.
+Checkpoints come from <ns>.policy.checkpoints (one announcement per version), else from the checkpoint manifests
+in the object store. Each manifest records the trajectories of its batches that did not train and why (stale,
+untrainable, a skipped batch): lineage says "trained into vN" only for the others.
 """
 from __future__ import annotations
 
@@ -19,9 +24,10 @@ from rich.console import Console
 from rich.markup import escape
 
 from consumers.history import ArchiveHistory, KafkaHistory
+from consumers.shards import read_shard
 from infra.kafka import admin, end_offsets, read_topic
 from infra.objectstore import ObjectStore
-from infra.settings import Settings
+from infra.settings import Settings, add_ns_argument
 from schemas.archive import ArchivedEvent
 from schemas.codec import codec
 from schemas.errors import DecodeError, ManifestError, PipelineError
@@ -65,8 +71,40 @@ def find_trajectory(settings: Settings, topics: Topics) -> Iterable[tuple[str, i
                 continue
 
 
-def locate(settings: Settings, topics: Topics, trajectory_id: str) -> Optional[tuple[str, int, int, Trajectory]]:
-    """The last copy of the trajectory on the first topic that has it (at-least-once may repeat a record)."""
+Located = tuple[str, int, int, Trajectory]  # topic (or object key), partition, offset, the record
+
+
+def in_batch(settings: Settings, store: ObjectStore, batch: BatchManifest, trajectory_id: str) -> Optional[Located]:
+    """The trajectory in the scored-topic range its batch covers, else in the batch's shard (retention)."""
+    found = None
+    marks = end_offsets(settings, batch.source_topic).get(batch.partition, (0, 0))
+    start, end = max(batch.first_offset, marks[0]), min(batch.last_offset + 1, marks[1])
+    for record in KafkaHistory(settings, batch.source_topic, {batch.partition: start}, {batch.partition: end}).records():
+        try:
+            trajectory = codec.decode(record.value, Trajectory)
+        except DecodeError:
+            continue
+        if trajectory.trajectory_id == trajectory_id:
+            found = (batch.source_topic, record.partition, record.offset, trajectory)
+    if found is None:
+        try:
+            shard = read_shard(store.get(batch.key, sha256=batch.sha256))
+        except PipelineError:
+            return None
+        for trajectory in shard:
+            if trajectory.trajectory_id == trajectory_id:
+                found = (f"s3://{batch.bucket}/{batch.key}", batch.partition, -1, trajectory)
+    return found
+
+
+def locate(settings: Settings, topics: Topics, trajectory_id: str, batches: Iterable[BatchManifest] = (),
+           store: Optional[ObjectStore] = None) -> Optional[Located]:
+    """Where a batch carrying it says it is; else (no batch yet) the last copy on the first trajectory topic
+    that has it (at-least-once may repeat a record)."""
+    for batch in batches:
+        where = in_batch(settings, store or ObjectStore(settings), batch, trajectory_id)
+        if where is not None:
+            return where
     found = None
     for where in find_trajectory(settings, topics):
         if where[3].trajectory_id == trajectory_id:
@@ -200,15 +238,15 @@ def reward_fields(t: Trajectory) -> dict[str, Any]:
 def trace(settings: Settings, ns: str, trajectory_id: str, store: Optional[ObjectStore] = None) -> Optional[Lineage]:
     """The lineage of one trajectory, or None when neither trajectory topic holds it."""
     topics = Topics(ns)
-    where = locate(settings, topics, trajectory_id)
+    store = store or ObjectStore(settings)
+    batches = carrying_batches(settings, topics, trajectory_id)
+    where = locate(settings, topics, trajectory_id, batches, store)
     if where is None:
         return None
     topic, partition, offset, traj = where
-    store = store or ObjectStore(settings)
     lineage = Lineage(trajectory_id, {"topic": topic, "partition": partition, "offset": offset},
                       trajectory_fields(traj), sorted({t.policy_version for t in traj.turns}), reward_fields(traj))
     lineage.source_events, lineage.missing_source_offsets = source_events(settings, store, traj)
-    batches = carrying_batches(settings, topics, trajectory_id)
     lineage.batches = [{"batch_id": b.batch_id, "key": b.key, "sha256": b.sha256,
                         "num_trajectories": b.num_trajectories, "first_offset": b.first_offset,
                         "last_offset": b.last_offset, "ts": b.ts} for b in batches]
@@ -216,13 +254,26 @@ def trace(settings: Settings, ns: str, trajectory_id: str, store: Optional[Objec
     if batch_ids:
         lineage.checkpoints = (announced_checkpoints(settings, topics, batch_ids)
                                or stored_checkpoints(store, ns, batch_ids))
+    for checkpoint in lineage.checkpoints:
+        checkpoint["not_trained"] = not_trained_because(store, checkpoint, trajectory_id)
     return lineage
+
+
+def not_trained_because(store: ObjectStore, checkpoint: dict[str, Any], trajectory_id: str) -> Optional[str]:
+    """Why the trajectory did not train into this checkpoint though its batch is listed; None when it trained
+    (or the manifest is not readable: then the batch's listing is all there is to go by)."""
+    try:
+        manifest = CheckpointManifest.from_json(store.get(checkpoint["manifest_key"]))
+    except PipelineError:
+        return None
+    return manifest.untrained.get(trajectory_id)
 
 
 def render(lineage: Lineage, console: Console) -> None:
     t, r = lineage.trajectory, lineage.reward
-    console.print(f"[bold]{lineage.trajectory_id}[/] on {lineage.found_on['topic']} "
-                  f"p{lineage.found_on['partition']}@{lineage.found_on['offset']}")
+    where = lineage.found_on
+    console.print(f"[bold]{lineage.trajectory_id}[/] " + (f"on {where['topic']} p{where['partition']}@{where['offset']}"
+                                                          if where["offset"] >= 0 else f"in shard {where['topic']}"))
     console.print(escape(f"  episode {t['episode_id']}  group {t['group_id']}  task {t['task_id']} ({t['domain']})  "
                          f"status {t['status']}  {t['turns']} turns"))
     console.print(f"  policy versions {lineage.policy_versions}")
@@ -236,16 +287,22 @@ def render(lineage: Lineage, console: Console) -> None:
     if lineage.missing_source_offsets:
         console.print(f"    [red]not found (topic nor archive): {', '.join(lineage.missing_source_offsets)}")
     console.print("  batches: " + (", ".join(b["batch_id"] for b in lineage.batches) or "none yet"))
-    console.print("  checkpoints: " + (", ".join(f"v{c['version']} (step {c['step']}, {c['from']})"
-                                                 for c in lineage.checkpoints) or "none yet"))
+    console.print("  checkpoints: " + (", ".join(
+        f"v{c['version']} (step {c['step']}, {c['from']})" + (f": NOT trained ({c['not_trained']})"
+                                                              if c.get("not_trained") else ": trained")
+        for c in lineage.checkpoints) or "none yet"))
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m consumers.lineage", description=__doc__.splitlines()[0])
+    add_ns_argument(p)
+    p.add_argument("trajectory_id")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    return p.parse_args(argv)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m consumers.lineage", description=__doc__.splitlines()[0])
-    p.add_argument("--ns", required=True)
-    p.add_argument("trajectory_id")
-    p.add_argument("--json", action="store_true", help="print one JSON document")
-    args = p.parse_args(argv)
+    args = parse_args(argv)
     console = Console()
     try:
         lineage = trace(Settings.from_env(), args.ns, args.trajectory_id)

@@ -30,7 +30,7 @@ from rich.table import Table
 
 from consumers.monitoring import PipelineStats, consumer_lag, sparkline
 from infra.kafka import admin, consumer
-from infra.settings import Settings
+from infra.settings import Settings, add_ns_argument
 from schemas.errors import PipelineError
 from schemas.topics import Topics
 
@@ -117,6 +117,8 @@ class StatsCollector(Collector):
                      ((d, w.mean) for d, w in s.reward.items()))
         yield family(GaugeMetricFamily, "trajpipe_reward_std", "Reward standard deviation", ["domain"],
                      ((d, w.std) for d, w in s.reward.items()))
+        yield family(GaugeMetricFamily, "trajpipe_success_rate", "Fraction of scored trajectories that solved their "
+                     "task (an outcome/* component of 1)", ["domain"], ((d, w.mean) for d, w in s.success.items()))
         yield family(GaugeMetricFamily, "trajpipe_consumer_lag", "Records a group has not committed yet",
                      ["group", "topic"], s.consumer_lags.items())
         yield family(GaugeMetricFamily, "trajpipe_policy_version", "Newest policy version seen", ["source"],
@@ -126,6 +128,11 @@ class StatsCollector(Collector):
                      "trajectories", ["stat"], [("mean", mean), ("max", worst)])
         yield family(GaugeMetricFamily, "trajpipe_learner", "Latest learner figure (loss/*)", ["name"],
                      s.latest_learner().items())
+        yield family(GaugeMetricFamily, "trajpipe_service", "Every service's newest figure on the metrics topic "
+                     "(rollout/, shards/, streams/, learner/ ...)", ["source", "name", "labels"],
+                     s.service_latest.items())
+        yield family(CounterMetricFamily, "trajpipe_service_windows", "A service figure summed over its windows "
+                     "(the total of a per-window counter)", ["source", "name", "labels"], s.service_sum.items())
 
 
 def dashboard(s: PipelineStats) -> Table:
@@ -138,9 +145,11 @@ def dashboard(s: PipelineStats) -> Table:
     lag = Table("group", "topic", "lag", title="consumer lag")
     for (group, topic), n in sorted(s.consumer_lags.items()):
         lag.add_row(group, topic[short:], f"{n:,}")
-    reward = Table("domain", "n", "mean", "std", "trend", title="reward")
+    reward = Table("domain", "n", "mean", "std", "success", "trend", title="reward")
     for domain, w in sorted(s.reward.items()):
-        reward.add_row(domain, f"{w.n:,}", f"{w.mean:.3f}", f"{w.std:.3f}", sparkline(s.reward_trend(domain)))
+        solved = s.success.get(domain)
+        reward.add_row(domain, f"{w.n:,}", f"{w.mean:.3f}", f"{w.std:.3f}", f"{solved.mean:.1%}" if solved else "-",
+                       sparkline(s.reward_trend(domain)))
     mean, worst = s.policy_lag()
     policy = Table("checkpoint", "trajectory", "lag mean", "lag max", title="newest policy versions")
     policy.add_row(str(s.newest_checkpoint), str(s.newest_trajectory_version), f"{mean:.2f}", str(worst))
@@ -257,7 +266,7 @@ def run(monitor: Monitor, duration: Optional[float], tui: bool, stop: threading.
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m consumers.monitor", description=__doc__.splitlines()[0])
-    p.add_argument("--ns", required=True)
+    add_ns_argument(p)
     p.add_argument("--port", type=int, default=9108, help="Prometheus /metrics port (0: any free port)")
     p.add_argument("--addr", default="0.0.0.0", help="address /metrics listens on")
     p.add_argument("--no-tui", action="store_true", help="no live terminal view")

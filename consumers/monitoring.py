@@ -7,11 +7,11 @@
 """
 from __future__ import annotations
 
-import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from infra.metrics import Welford
 from schemas.codec import codec
 from schemas.errors import DecodeError
 from schemas.records import (
@@ -30,25 +30,6 @@ KEEP_POINTS = 10_000
 RECENT = 1_000  # trajectories the policy-lag figures look back over
 LEARNER_SOURCE = "learner"
 LOSS_PREFIX = "loss/"
-
-
-@dataclass
-class Welford:
-    """Running mean and variance in one pass (numerically stable)."""
-
-    n: int = 0
-    mean: float = 0.0
-    m2: float = 0.0
-
-    def add(self, x: float) -> None:
-        self.n += 1
-        delta = x - self.mean
-        self.mean += delta / self.n
-        self.m2 += delta * (x - self.mean)
-
-    @property
-    def std(self) -> float:
-        return math.sqrt(self.m2 / self.n) if self.n > 1 else 0.0
 
 
 def bucket_of(ms: int, bucket_ms: int = BUCKET_MS) -> int:
@@ -82,6 +63,9 @@ class PipelineStats:
     reward: dict[str, Welford] = field(default_factory=dict)  # domain ->
     reward_by_version: dict[tuple[str, int], Welford] = field(default_factory=dict)
     reward_over_time: dict[str, dict[int, Welford]] = field(default_factory=dict)  # domain -> bucket ->
+    # domain -> 1.0 per trajectory that solved its task (its best outcome/* component is 1), else 0.0
+    success: dict[str, Welford] = field(default_factory=dict)
+    success_by_version: dict[tuple[str, int], Welford] = field(default_factory=dict)
     sandbox_outcomes: Counter[str] = field(default_factory=Counter)
     deadletter_reasons: Counter[str] = field(default_factory=Counter)
     newest_checkpoint: int = -1
@@ -90,6 +74,10 @@ class PipelineStats:
     learner: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # loss/* -> (time, value)
     consumer_lags: dict[tuple[str, str], int] = field(default_factory=dict)  # (group, topic) -> lag
     lag_over_time: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # group -> (time, total lag)
+    # Every service's own figures on the metrics topic, by (source, name, "k=v,..." labels): the newest
+    # window's value, and the sum over windows (the total, for counters published per window).
+    service_latest: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    service_sum: dict[tuple[str, str, str], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         t = self.topics
@@ -131,6 +119,9 @@ class PipelineStats:
         version = trajectory_version(t)
         self.reward.setdefault(t.domain, Welford()).add(t.reward)
         self.reward_by_version.setdefault((t.domain, version), Welford()).add(t.reward)
+        solved = float(max((v for k, v in t.reward_components.items() if k.startswith("outcome/")), default=0.0) >= 1.0)
+        self.success.setdefault(t.domain, Welford()).add(solved)
+        self.success_by_version.setdefault((t.domain, version), Welford()).add(solved)
         over_time = self.reward_over_time.setdefault(t.domain, {})
         over_time.setdefault(bucket_of(ts, self.bucket_ms), Welford()).add(t.reward)
         if len(over_time) > KEEP_BUCKETS:
@@ -144,6 +135,9 @@ class PipelineStats:
         self.newest_checkpoint = max(self.newest_checkpoint, c.version)
 
     def _on_metric(self, m: PipelineMetric, ts: int) -> None:
+        key = (m.source, m.name, ",".join(f"{k}={v}" for k, v in sorted(m.labels.items())))
+        self.service_latest[key] = m.value
+        self.service_sum[key] = self.service_sum.get(key, 0.0) + m.value
         if m.source == LEARNER_SOURCE and m.name.startswith(LOSS_PREFIX):
             points = self.learner.setdefault(m.name, [])
             points.append((m.window_end or ts, m.value))

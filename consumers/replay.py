@@ -42,7 +42,7 @@ from consumers.selection import EpisodeSelector, EventFilter, SelectionStats, Wi
 from infra.bootstrap import bootstrap, partition_count
 from infra.kafka import Publisher, admin, end_offsets
 from infra.objectstore import ObjectStore
-from infra.settings import Settings
+from infra.settings import Settings, add_ns_argument
 from schemas.archive import ArchivedEvent
 from schemas.codec import codec
 from schemas.errors import ConfigError, DecodeError, PipelineError
@@ -181,7 +181,7 @@ def run(settings: Settings, args: argparse.Namespace, console: Console) -> dict[
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m consumers.replay", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--from-ns", required=True, help="namespace whose rollout events are replayed")
+    add_ns_argument(p, "--from-ns", help="namespace whose rollout events are replayed")
     p.add_argument("--to-ns", required=True, help="new namespace to write them into (bootstrapped here)")
     p.add_argument("--from-offsets", help="first offset per partition, e.g. 0:100,1:80")
     p.add_argument("--to-offsets", help="end offset (exclusive) per partition, e.g. 0:900,1:700")

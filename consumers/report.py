@@ -15,8 +15,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from consumers.monitoring import PipelineStats  # noqa: E402
 
-PLOTS = ("reward_by_policy_version.png", "throughput.png", "consumer_lag.png", "deadletters.png",
-         "learner_loss.png")
+PLOTS = ("reward_by_policy_version.png", "success_by_policy_version.png", "throughput.png", "consumer_lag.png",
+         "deadletters.png", "learner_loss.png")
 
 
 def _time(ms: int) -> dt.datetime:
@@ -29,6 +29,14 @@ def plot_reward_by_version(s: PipelineStats, ax: Any) -> None:
         ax.errorbar([v for v, _ in points], [w.mean for _, w in points], yerr=[w.std for _, w in points],
                     marker="o", capsize=3, label=domain)
     ax.set(xlabel="policy version (oldest turn)", ylabel="reward (mean ± std)", title="reward vs policy version")
+
+
+def plot_success_by_version(s: PipelineStats, ax: Any) -> None:
+    for domain in sorted({d for d, _ in s.success_by_version}):
+        points = sorted((v, w) for (d, v), w in s.success_by_version.items() if d == domain)
+        ax.plot([v for v, _ in points], [w.mean for _, w in points], marker="o", label=domain)
+    ax.set(xlabel="policy version (oldest turn)", ylabel="solved (fraction of trajectories)", ylim=(-0.02, 1.02),
+           title="success per domain vs policy version")
 
 
 def plot_throughput(s: PipelineStats, ax: Any) -> None:
@@ -88,8 +96,9 @@ def summary_markdown(s: PipelineStats) -> str:
     lines = [f"# Pipeline report: {s.topics.ns}", "", f"Written {written:%Y-%m-%d %H:%M:%S} UTC.", ""]
     lines += ["## Records per topic", ""] + table(("topic", "records", "undecodable"), [
         (t, n, s.undecodable.get(t, 0)) for t, n in sorted(s.events_total.items())])
-    lines += ["## Reward per domain", ""] + table(("domain", "trajectories", "mean", "std"), [
-        (d, w.n, f"{w.mean:.4f}", f"{w.std:.4f}") for d, w in sorted(s.reward.items())])
+    lines += ["## Reward and success per domain", ""] + table(("domain", "trajectories", "mean", "std", "success"), [
+        (d, w.n, f"{w.mean:.4f}", f"{w.std:.4f}", f"{s.success[d].mean:.4f}" if d in s.success else "-")
+        for d, w in sorted(s.reward.items())])
     lines += ["## Sandbox outcomes", ""] + table(("outcome", "count"), sorted(s.sandbox_outcomes.items()))
     lines += ["## Dead letters", ""] + table(("reason", "count"), sorted(s.deadletter_reasons.items()))
     lines += ["## Consumer lag", ""] + table(("group", "topic", "lag"), [
@@ -104,7 +113,7 @@ def summary_markdown(s: PipelineStats) -> str:
 def write_report(s: PipelineStats, out: Path) -> Path:
     """Write every plot and summary.md into `out`; returns the summary's path."""
     out.mkdir(parents=True, exist_ok=True)
-    draws = (plot_reward_by_version, plot_throughput, plot_lag, plot_deadletters, plot_learner)
+    draws = (plot_reward_by_version, plot_success_by_version, plot_throughput, plot_lag, plot_deadletters, plot_learner)
     for name, draw in zip(PLOTS, draws):
         save_plot(out / name, draw, s)
     path = out / "summary.md"

@@ -27,8 +27,9 @@ from confluent_kafka import KafkaException, Message, TopicPartition
 from consumers.batching import BatchBounds, Batcher, OpenBatch
 from consumers.shards import CODECS, read_shard, shard_range, write_shard
 from infra.kafka import Publisher, consumer, read_topic
+from infra.metrics import Metrics, publish
 from infra.objectstore import ObjectStore
-from infra.settings import Settings
+from infra.settings import Settings, add_ns_argument
 from schemas.codec import codec
 from schemas.errors import ConfigError, DecodeError, IntegrityError, ObjectNotFound, ObjectStoreError
 from schemas.keys import batch_id, shard_key
@@ -166,6 +167,8 @@ class ShardWriter:
         self._last_report = 0.0
         self._last_message: Optional[float] = None  # None until partitions are assigned
         self.written = WrittenIds.from_manifests(settings, self.topics)
+        self.metrics, self._window_start = Metrics("shards"), int(time.time() * 1000)
+        self._published: dict[str, int] = {}  # progress counters already published
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def stop(self, *_: object) -> None:
@@ -251,7 +254,8 @@ class ShardWriter:
         except DecodeError as exc:
             self._dead_letter(msg, exc)
             return
-        if trajectory.trajectory_id in self.written and not self.batcher.planned(partition, offset):
+        seen = trajectory.trajectory_id in self.written or self.batcher.holds(partition, trajectory.trajectory_id)
+        if seen and not self.batcher.planned(partition, offset):
             self._duplicate(partition, offset)
             return
         for batch in self.batcher.add(partition, offset, trajectory, len(value), time.monotonic()):
@@ -259,7 +263,8 @@ class ShardWriter:
                 return
 
     def _duplicate(self, partition: int, offset: int) -> None:
-        """A trajectory re-emitted upstream (at-least-once) is already in a batch: counted, never written twice."""
+        """A trajectory re-emitted upstream (at-least-once) is already in a batch, written or open: counted,
+        never written twice."""
         self.progress.duplicates += 1
         commit_to = self.batcher.skip(partition, offset)
         if commit_to is not None:
@@ -281,6 +286,7 @@ class ShardWriter:
             return False
         topic, p = self.topics.scored, batch.partition
         key = shard_key(self.config.ns, topic, p, batch.first, batch.last)
+        started = time.monotonic()
         stored = self._store(batch, key)
         if stored is None:
             return False
@@ -293,7 +299,7 @@ class ShardWriter:
         self.publisher.flush()
         self.written.add(manifest.trajectory_ids)
         self._commit(p, batch.end + 1)
-        self._count(batch, size)
+        self._count(batch, size, time.monotonic() - started)
         return True
 
     def _store(self, batch: OpenBatch, key: str) -> Optional[tuple[str, int]]:
@@ -337,23 +343,41 @@ class ShardWriter:
             # Lost the partition meanwhile: its next owner rewrites the same shard, which is harmless.
             log.warning("commit %s[%d]@%d failed: %s", self.topics.scored, partition, offset, exc)
 
-    def _count(self, batch: OpenBatch, size: int) -> None:
+    def _count(self, batch: OpenBatch, size: int, write_s: float) -> None:
         self.progress.batches += 1
         self.progress.trajectories += len(batch.trajectories)
         self.progress.bytes += size
         self.progress.replayed += batch.planned_last is not None
+        m = self.metrics
+        m.count("shards/batches")
+        m.count("shards/trajectories", len(batch.trajectories))
+        m.count("shards/bytes", size)
+        m.count("shards/replayed", int(batch.planned_last is not None))
+        m.observe("shards/write_s", write_s)
+
+    def _publish_metrics(self) -> None:
+        """The window's figures on <ns>.pipeline.metrics (source "shards"), with the manifests' next flush."""
+        m = self.metrics
+        for name in ("duplicates", "deadletters"):
+            m.count(f"shards/{name}", getattr(self.progress, name) - self._published.get(name, 0))
+            self._published[name] = getattr(self.progress, name)
+        m.gauge("shards/open_trajectories", float(self.batcher.pending))
+        now = int(time.time() * 1000)
+        publish(self.publisher, self.topics.metrics, m.flush(self._window_start, now))
+        self._window_start = now
 
     def _report(self, force: bool = False) -> None:
         now, line = time.monotonic(), self.progress.line(self.config.ns, self.batcher.pending)
         if force or (line != self._last_line and now - self._last_report >= self.config.progress_every_s):
             self._last_report, self._last_line = now, line
             print(line, file=sys.stderr, flush=True)
+            self._publish_metrics()
 
 
 # ---- command line -------------------------------------------------------------------------------
 def parse_args(argv: Optional[Sequence[str]] = None) -> WriterSettings:
     ap = argparse.ArgumentParser(prog="python -m consumers.shard_writer", description=__doc__.splitlines()[0])
-    ap.add_argument("--ns", required=True, help="run namespace (topics <ns>.*)")
+    add_ns_argument(ap)
     ap.add_argument("--group", default="", help="consumer group (default <ns>.shard-writer)")
     ap.add_argument("--max-trajectories", type=int, default=256, help="trajectories per shard at most")
     ap.add_argument("--max-bytes", type=int, default=16 * 1024 * 1024, help="encoded bytes per shard at most")

@@ -1,6 +1,8 @@
 """Creates every topic of a namespace and the object-store bucket, idempotently."""
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, field
 
 from confluent_kafka import KafkaException
@@ -28,7 +30,9 @@ def create_topics(settings: Settings, topics: Topics, timeout: float = 30.0) -> 
     report.existing = [s.name for s in topics.specs() if s.name in existing]
     if missing:
         futures = client.create_topics(
-            [NewTopic(s.name, num_partitions=s.partitions, replication_factor=1, config=s.config) for s in missing],
+            # replication factor -1: the cluster's default.replication.factor decides (1 on one broker, 3 on a
+            # cluster configured so), and its min.insync.replicas applies: settings, not code
+            [NewTopic(s.name, num_partitions=s.partitions, replication_factor=-1, config=s.config) for s in missing],
             operation_timeout=timeout, request_timeout=timeout,
         )
         for name, fut in futures.items():
@@ -49,12 +53,19 @@ def topic_config(settings: Settings, topic: str, timeout: float = 10.0) -> dict[
     return {k: v.value for k, v in entries.items()}
 
 
-def partition_count(settings: Settings, topic: str, timeout: float = 10.0) -> int:
+def partition_count(settings: Settings, topic: str, timeout: float = 10.0, settle_s: float = 15.0) -> int:
+    """Partitions of `topic`. A broker that has just started can deny a topic bootstrap created seconds
+    earlier (its metadata still loading): asked again for up to `settle_s` before the topic is called missing."""
     client = admin(settings)
-    meta = while_broker_away(f"metadata of {topic}", lambda: client.list_topics(topic, timeout=timeout))
-    if topic not in meta.topics or meta.topics[topic].error is not None:
-        raise InfraError(f"topic {topic} does not exist; run `python -m infra bootstrap --ns NAME`")
-    return len(meta.topics[topic].partitions)
+    deadline = time.monotonic() + settle_s
+    while True:
+        meta = while_broker_away(f"metadata of {topic}", lambda: client.list_topics(topic, timeout=timeout))
+        found = meta.topics.get(topic)
+        if found is not None and found.error is None and found.partitions:
+            return len(found.partitions)
+        if time.monotonic() >= deadline:
+            raise InfraError(f"topic {topic} does not exist; run `python -m infra bootstrap --ns NAME`")
+        time.sleep(1.0)
 
 
 def delete_topics(settings: Settings, names: list[str], timeout: float = 30.0) -> None:

@@ -1,11 +1,17 @@
 """The main job: local Kafka and MinIO, then every service as a process, an SFT warm start then GRPO.
 
     python -m infra demo                    # ~10 minutes on 2 cores; Ctrl-C stops cleanly
-    python -m infra demo --updates 40 --workers 2 --ns mydemo
+    python -m infra demo --rl-updates 60 --workers 1 --ns mydemo
 
-Writes runs/<ns>/ (service logs, PNG plots, summary.md, eval.json); the exit code says whether the
-run was healthy: every service stopped cleanly, the learner made its updates, nothing was lost, and
-the final policy beats the initial one on held-out tasks.
+The default task is reversing a random 3-6 letter word ("reverse kqzd:" -> "dzqk"): held-out words were
+never trained on, so held-out success means the model learned the rule. Demonstrations (the gold
+reversals) go through the log like any episode; the learner imitates them for --sft-updates updates,
+then rollout workers start and GRPO takes over from the SFT checkpoint.
+
+Writes runs/<ns>/ (service logs, PNG plots, learning_curve.png, summary.md, eval.json); the exit code says
+whether the run was healthy: every service stopped cleanly, the learner made its updates, held-out success
+rose significantly over the run (95% Wilson intervals apart), and the RL phase did not lower it
+significantly; the learning goals are printed as met or not beside it.
 """
 from __future__ import annotations
 
@@ -13,41 +19,35 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Optional
+from typing import Any, Optional
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
 from infra.bootstrap import bootstrap
-from infra.kafka import end_offsets
+from infra.curves import plot_learning_curve
+from infra.kafka import end_offsets, read_topic
 from infra.launcher import Launcher
-from infra.settings import Settings
+from infra.objectstore import ObjectStore
+from infra.settings import NS_VAR, Settings
+from infra.supervisor import Service, Supervisor
+from schemas.codec import codec
+from schemas.errors import DecodeError
+from schemas.manifests import LEARNER_FINISHED_LINE, CheckpointManifest
+from schemas.records import CheckpointPublished
 from schemas.topics import Topics
 
 console = Console(stderr=True)
-MIN_GAIN = 0.1  # held-out mean reward the final policy must gain over the first for a healthy run
-
-
-@dataclass
-class Service:
-    name: str
-    argv: list[str]
-    proc: Optional[subprocess.Popen[bytes]] = None
-    log: Optional[IO[bytes]] = None
-    rc: Optional[int] = None
-
-    @property
-    def state(self) -> str:
-        if self.proc is None:
-            return "not started"
-        rc = self.proc.poll()
-        return "running" if rc is None else f"exited {rc}"
+GOAL_FINAL, GOAL_RL_GAIN = 0.8, 0.2  # held-out greedy success of the final policy; its gain over post-SFT
+# A pretrained model without an SFT phase: its held-out gain over v0, within this many minutes of training.
+GOAL_PRETRAINED_GAIN, GOAL_PRETRAINED_MINUTES = 0.10, 45
 
 
 @dataclass
@@ -55,8 +55,12 @@ class Run:
     ns: str
     dir: Path
     settings: Settings
-    services: list[Service] = field(default_factory=list)
+    supervisor: Supervisor
     started: float = field(default_factory=time.monotonic)
+
+    @property
+    def services(self) -> list[Service]:
+        return self.supervisor.services
 
 
 def platform() -> Settings:
@@ -66,57 +70,54 @@ def platform() -> Settings:
 
 
 def quota(args: argparse.Namespace) -> int:
-    """Episodes per worker per policy version: what the learner trains per version (two updates).
+    """Episodes per worker per policy version: what the learner trains per version.
 
     More would queue up in the log and reach the learner too stale to train on: workers outrun a
     learner on these machines. Zero-variance groups dropped upstream make partial batches instead.
     """
-    per_version = args.batch_trajectories * 2 // args.workers
+    # x2 by default: about half of the demo task's groups teach nothing (all right or all wrong) and are
+    # dropped upstream; --episodes-per-version says it for other tasks.
+    factor = args.quota_factor
+    per_version = int(factor * args.batch_trajectories * args.rl_batches_per_update * args.updates_per_checkpoint
+                      // args.workers)
     return max(args.group_size, per_version - per_version % args.group_size)
 
 
+def sft_version(args: argparse.Namespace) -> int:
+    """The checkpoint version that ends the SFT phase: one every --sft-updates-per-checkpoint, and at its end."""
+    return -(-args.sft_updates // args.sft_updates_per_checkpoint)
+
+
 def plan(args: argparse.Namespace, ns: str) -> list[Service]:
-    model = ["--layers", str(args.layers), "--width", str(args.width)]
+    model = ["--model", args.model] if args.model else ["--layers", str(args.layers), "--width", str(args.width)]
+    sampling = ["--temperature", str(args.temperature)]
+    backend = ["--backend", args.backend]
     workers = [Service(f"producer-{i}", ["producers", "--ns", ns, "--sources", args.sources, "--group-size",
-                                         str(args.group_size), "--prompts-per-step", "4", "--max-new-tokens",
-                                         str(args.max_new_tokens), "--producer-id", f"worker-{i}", "--seed", str(i),
-                                         "--max-policy-lag", "1", "--max-episodes-per-version",
-                                         str(quota(args)), "--quota-wait-s", "10", *model])
+                                         str(args.group_size), "--prompts-per-step", str(args.prompts_per_step),
+                                         "--max-new-tokens", str(args.max_new_tokens), "--producer-id", f"worker-{i}",
+                                         "--seed", str(i), "--max-policy-lag", "1", "--max-episodes-per-version",
+                                         str(quota(args)), "--quota-wait-s", str(args.quota_wait_s), *sampling, *backend, *model],
+                       when="rl" if args.sft_updates else "start")  # no SFT phase: RL from v0 on
                for i in range(args.workers)]
+    demonstrations = args.sft_updates * args.batch_trajectories
+    teacher = [Service("demonstrations", ["producers", "--ns", ns, "--sources", args.sources, "--demonstrations",
+                                          str(demonstrations), "--producer-id", "demonstrations", *model],
+                       oneshot=True)] if demonstrations else []
     return [
         Service("streams", ["streams", "--ns", ns]),
         Service("shard-writer", ["consumers.shard_writer", "--ns", ns, "--max-trajectories",
                                  str(args.batch_trajectories), "--max-age-s", "3"]),
         Service("learner", ["learner", "--ns", ns, "--sft-updates", str(args.sft_updates), "--algorithm", "grpo",
-                            "--max-updates", str(args.updates), "--updates-per-checkpoint", "2", "--lr", str(args.lr),
-                            *model]),
+                            "--max-updates", str(args.sft_updates + args.rl_updates), "--rl-batches-per-update",
+                            str(args.rl_batches_per_update), "--updates-per-checkpoint",
+                            str(args.updates_per_checkpoint), "--sft-updates-per-checkpoint",
+                            str(args.sft_updates_per_checkpoint), "--lr", str(args.lr), "--sft-lr", str(args.sft_lr),
+                            "--max-policy-lag", "2", "--device", args.learner_device, "--keep-last",
+                            str(args.keep_last), "--keep-every", str(args.keep_every), *sampling, *model]),
+        *teacher,
         *workers,
         Service("monitor", ["consumers.monitor", "--ns", ns, "--no-tui", "--port", str(args.monitor_port)]),
     ]
-
-
-def start(run: Run, service: Service) -> None:
-    logs = run.dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    service.log = open(logs / f"{service.name}.log", "ab")
-    env = {**os.environ, **run.settings.as_env(), "PYTHONUNBUFFERED": "1"}
-    service.proc = subprocess.Popen([sys.executable, "-m", *service.argv], stdout=service.log,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def stop(service: Service, timeout: float = 120.0) -> None:
-    if service.proc is None:
-        return
-    if service.proc.poll() is None:
-        service.proc.send_signal(signal.SIGTERM)
-        try:
-            service.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            service.proc.kill()
-            service.proc.wait()
-    service.rc = service.proc.returncode
-    if service.log:
-        service.log.close()
 
 
 def counts(run: Run) -> dict[str, int]:
@@ -148,41 +149,107 @@ def view(run: Run) -> Table:
     for label, n in counts(run).items():
         table.add_row(f"[dim]{label}[/dim]", str(n))
     table.add_row("[bold]learner[/bold]", learner_line(run))
+    restarts = [line for s in run.services for line in s.history if "restart" in line or "given up" in line]
+    for line in sorted(restarts)[-3:]:
+        table.add_row("[yellow]supervisor[/yellow]", line)
     return table
 
 
+def in_rl_phase(run: Run) -> bool:
+    log = run.dir / "logs" / "learner.log"
+    return log.exists() and ("switching to" in (text := log.read_text(errors="replace")) or "[grpo]" in text)
+
+
+def learner_finished(run: Run) -> bool:
+    """The learner exited 0 after saying it reached its last update (a kill or a crash is restarted)."""
+    learner = run.supervisor["learner"]
+    log = run.dir / "logs" / "learner.log"
+    return learner.finished and log.exists() and LEARNER_FINISHED_LINE in log.read_text(errors="replace")
+
+
 def supervise(run: Run, minutes: float) -> str:
-    learner = next(s for s in run.services if s.name == "learner")
+    """Restart what dies (see infra.supervisor) until the learner reaches its last update."""
+    learner = run.supervisor["learner"]
     deadline = run.started + minutes * 60
     with Live(view(run), console=console, refresh_per_second=1) as live:
         try:
-            while learner.proc is not None and learner.proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(1.0)
+            while time.monotonic() < deadline:
+                run.supervisor.tick()
+                if learner_finished(run):
+                    return "learner finished"
+                if learner.gave_up:
+                    return "learner failed"
+                if learner.finished:  # exited 0 without reaching its last update (stopped from outside)
+                    return "learner stopped early"
+                if in_rl_phase(run):
+                    run.supervisor.start_due(lambda s: s.when == "rl")
                 live.update(view(run))
+                time.sleep(1.0)
         except KeyboardInterrupt:
             return "interrupted"
-    return "learner finished" if learner.proc is not None and learner.proc.poll() is not None else "time limit"
+    return "time limit"
 
 
 def shutdown(run: Run) -> None:
-    order = [s for s in run.services if s.name.startswith("producer")] + \
-            [s for s in run.services if s.name in ("learner", "streams", "shard-writer", "monitor")]
-    for s in order:
-        stop(s)
-        console.print(f"stopped {s.name}: rc {s.rc}")
+    # Producers first (their in-flight episodes end as aborted and flush), then the rest in start order.
+    run.supervisor.stop_all(first=lambda s: s.name.startswith("producer"))
+    for s in run.services:
+        console.print(f"stopped {s.name}: rc {s.rc}" + (f", {s.restarts} restarts" if s.restarts else ""))
 
 
-def evaluate(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
+def announced_versions(run: Run) -> dict[int, int]:
+    """Every version the run announced (the checkpoint topic keeps each) and its creation time (ms)."""
+    store = ObjectStore(run.settings)
+    out: dict[int, int] = {}
+    for message in read_topic(run.settings, Topics(run.ns).checkpoints):
+        try:
+            event = codec.decode(message.value() or b"", expect=CheckpointPublished)
+        except DecodeError:
+            continue
+        if event.run == run.ns and event.version not in out:
+            out[event.version] = CheckpointManifest.from_json(store.get(event.manifest_key)).created_ts
+    return out
+
+
+def curve_versions(final: int, sft: int, points: int, every: int = 0) -> list[int]:
+    """v0, two points inside the SFT phase, its end, and `points` versions spread over the RL phase (on
+    multiples of `every` when a retention keeps only those and the last ones)."""
+    sft = min(sft, final)
+    inside = [round(sft * i / 3) for i in (1, 2)]
+    rl = [sft + round((final - sft) * (i + 1) / points) for i in range(points)] if final > sft else []
+    if every:
+        rl = [min(final, every * round(v / every)) for v in rl]
+    return sorted({0, *inside, sft, *rl, final})
+
+
+def run_eval(run: Run, args: argparse.Namespace, versions: list[int], modes: str) -> list[dict[str, Any]]:
     env = {**os.environ, **run.settings.as_env()}
-    proc = subprocess.run([sys.executable, "-m", "learner.eval", "--ns", run.ns, "--versions", "first,latest",
-                           "--sources", args.sources, "--episodes", str(args.eval_episodes), "--max-new-tokens",
-                           str(args.max_new_tokens), "--json"], env=env, capture_output=True, text=True)
-    (run.dir / "logs" / "eval.log").write_text(proc.stderr)
+    proc = subprocess.run([sys.executable, "-m", "learner.eval", "--ns", run.ns, "--versions",
+                           ",".join(map(str, versions)), "--modes", modes, "--sources", args.sources, "--episodes",
+                           str(args.eval_episodes), "--max-new-tokens", str(args.max_new_tokens), "--temperature",
+                           str(args.temperature), "--json"], env=env, capture_output=True, text=True)
+    with open(run.dir / "logs" / "eval.log", "a") as log:
+        log.write(proc.stderr)
     if proc.returncode != 0:
         console.print(f"[red]evaluation failed[/red]: {proc.stderr[-1500:]}")
         return []
     results: list[dict[str, Any]] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return results
+
+
+def evaluate(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Greedy held-out success along the run (the learning curve); sampled too at v0, post-SFT and final."""
+    created = announced_versions(run)
+    if not created:
+        return []
+    final, sft = max(created), min(sft_version(args), max(created))
+    results = run_eval(run, args, curve_versions(final, sft, args.curve_points, args.keep_every), "greedy")
+    results += run_eval(run, args, sorted({0, sft, final}), "sampled")
+    for r in results:
+        r["seconds"] = (created[r["version"]] - created[0]) / 1000
+        r["phase"] = "initial" if r["version"] == 0 else "sft" if r["version"] <= sft else "rl"
     (run.dir / "eval.json").write_text(json.dumps(results, indent=2))
+    plot_learning_curve(results, sft, run.dir / "learning_curve.png")
     return results
 
 
@@ -192,57 +259,192 @@ def report(run: Run) -> int:
                             "--port", "0", "--report", str(run.dir)], env=env, stdout=subprocess.DEVNULL)
 
 
-def healthy(run: Run, results: list[dict[str, Any]], how: str) -> list[str]:
-    problems = [f"{s.name} exited {s.rc}" for s in run.services if s.rc not in (0, -signal.SIGTERM)]
+def key_results(results: list[dict[str, Any]], args: argparse.Namespace, mode: str = "greedy"
+                ) -> dict[str, dict[str, Any]]:
+    """Held-out results of the initial, post-SFT and final policy in one mode."""
+    by_version = {r["version"]: r for r in results if r["mode"] == mode}
+    if not by_version:
+        return {}
+    final = max(by_version)
+    return {"initial": by_version[0], "after SFT": by_version[min(sft_version(args), final)],
+            "final": by_version[final]}
+
+
+def better(after: dict[str, Any], before: dict[str, Any]) -> bool:
+    """Significantly better: the 95% intervals do not overlap."""
+    return bool(after["ci_low"] > before["ci_high"])
+
+
+def healthy(run: Run, results: list[dict[str, Any]], how: str, args: argparse.Namespace) -> list[str]:
+    problems = [f"{s.name} exited {s.rc}" for s in run.services
+                if s.proc is not None and s.rc not in ((0,) if s.oneshot else (0, -signal.SIGTERM))]
+    problems += [f"{s.name} was given up after {s.restarts} restarts" for s in run.services if s.gave_up]
     if how != "learner finished":
         problems.append(f"run ended by {how}")
-    if len(results) == 2 and results[1]["reward_mean"] < results[0]["reward_mean"] + MIN_GAIN:
-        problems.append(f"the final policy's held-out reward is not {MIN_GAIN} above the initial one's")
-    if len(results) != 2:
-        problems.append("no evaluation")
+    greedy, sampled = key_results(results, args), key_results(results, args, "sampled")
+    if not greedy or not sampled:
+        return problems + ["no evaluation"]
+    if not better(greedy["final"], greedy["initial"]):
+        problems.append("held-out success of the final policy is not significantly above the initial one's")
+    for mode, key in (("greedy", greedy), ("sampled", sampled)):
+        if args.rl_updates and better(key["after SFT"], key["final"]):
+            problems.append(f"the RL phase lowered {mode} held-out success significantly below the post-SFT "
+                            "policy's")
     return problems
+
+
+def goals(results: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
+    lines = []
+    for mode in ("greedy", "sampled"):
+        key = key_results(results, args, mode)
+        if not key:
+            continue
+        if not args.sft_updates:  # a pretrained model, RL only
+            gain, minutes = key["final"]["success"] - key["initial"]["success"], key["final"]["seconds"] / 60
+            met = gain >= GOAL_PRETRAINED_GAIN and minutes <= GOAL_PRETRAINED_MINUTES
+            lines += [f"{mode}: held-out success {key['initial']['success']:.3f} -> {key['final']['success']:.3f}, "
+                      f"gain {gain:+.3f} in {minutes:.0f} min of training (goal +{GOAL_PRETRAINED_GAIN} within "
+                      f"{GOAL_PRETRAINED_MINUTES} min: {'met' if met else 'NOT met'})"]
+            continue
+        final, gain = key["final"]["success"], key["final"]["success"] - key["after SFT"]["success"]
+        lines += [f"{mode}: final held-out success {final:.3f} (goal {GOAL_FINAL}: "
+                  f"{'met' if final >= GOAL_FINAL else 'NOT met'}), RL gain over post-SFT {gain:+.3f} "
+                  f"(goal +{GOAL_RL_GAIN}: {'met' if gain >= GOAL_RL_GAIN else 'NOT met'})"]
+    return lines
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infra demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ns", default=f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
-    p.add_argument("--sources", default="math-easy")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--updates", type=int, default=40)
-    p.add_argument("--sft-updates", type=int, default=6)
+    p.add_argument("--ns", default=os.environ.get(NS_VAR) or f"demo-{time.strftime('%Y%m%d-%H%M%S')}",
+                   help="namespace of the run (default: $TRAJPIPE_NS, else demo-<time>)")
+    p.add_argument("--sources", default="reverse")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--sft-updates", type=int, default=260, help="updates imitating demonstrations")
+    p.add_argument("--rl-updates", type=int, default=50, help="GRPO updates after the SFT phase")
+    p.add_argument("--rl-batches-per-update", type=int, default=8,
+                   help="shards of --batch-trajectories merged into one GRPO update")
+    p.add_argument("--updates-per-checkpoint", type=int, default=1, help="in the RL phase")
+    p.add_argument("--sft-updates-per-checkpoint", type=int, default=20)
     p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--prompts-per-step", type=int, default=8)
     p.add_argument("--batch-trajectories", type=int, default=64, help="trajectories per shard (one update)")
-    p.add_argument("--max-new-tokens", type=int, default=6)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (the learner's ratios use it)")
+    p.add_argument("--quota-factor", type=float, default=2.0,
+                   help="episodes generated per version, as a multiple of what the learner trains per version "
+                        "(groups that teach nothing are dropped upstream; more than that goes stale)")
+    p.add_argument("--quota-wait-s", type=float, default=10.0,
+                   help="how long a worker that made its episodes for a version waits for the next one before "
+                        "going on with the old one (longer than an update takes, or the surplus goes stale)")
+    p.add_argument("--partitions", type=int, default=2,
+                   help="of each topic; the shard writer batches per partition (1: full batches from one worker)")
+    p.add_argument("--keep-last", type=int, default=0, help="learner retention: keep the files of the last K versions "
+                                                            "(0: all; v0 and every --keep-every-th stay)")
+    p.add_argument("--keep-every", type=int, default=0, help="with --keep-last: keep every N-th version too")
+    p.add_argument("--sft-lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=3e-4, help="learning rate of the RL phase")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="smollm2: the real pretrained SmolLM2-135M-Instruct on word-problem addition (GRPO only)")
+    p.add_argument("--model", default=None, help="a pretrained model by name (smollm2-135m) or a local HF folder; "
+                                                 "default: the small byte-level model")
+    p.add_argument("--backend", default="transformers", choices=["transformers", "vllm"],
+                   help="rollout workers' policy backend (vllm: GPU hosts with the vllm extra)")
+    p.add_argument("--learner-device", default="auto", help="auto (cuda when available), cpu or cuda")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--minutes", type=float, default=20.0)
-    p.add_argument("--eval-episodes", type=int, default=64)
+    p.add_argument("--down", action="store_true", help="stop Kafka and MinIO at the end (they keep every run's data)")
+    p.add_argument("--eval-episodes", type=int, default=256, help="held-out episodes per version and mode")
+    p.add_argument("--curve-points", type=int, default=4, help="RL-phase versions on the learning curve")
     p.add_argument("--monitor-port", type=int, default=9108)
     p.add_argument("--runs-dir", default="runs")
     return p
 
 
+# A real pretrained model: SmolLM2-135M-Instruct answering "What is a + b?" (a, b in 1..20) in words.
+# No SFT phase (it is instruction-tuned already): GRPO teaches it to answer right and short.
+PRESETS: dict[str, dict[str, Any]] = {
+    # A checkpoint of this model is 1.6 GB with its optimizer: one every 2 updates, the last 2 and every 10th
+    # kept. Few of its groups are all right or all wrong, so 1.25x what the learner trains is generated; one
+    # partition, so that a step's two groups make one full batch (two would make two half batches); a version
+    # takes about a minute here, so a worker waits for the next one rather than make data that goes stale.
+    "smollm2": {"model": "smollm2-135m", "sources": "add", "sft_updates": 0, "rl_updates": 100,
+                "updates_per_checkpoint": 2, "sft_updates_per_checkpoint": 1, "rl_batches_per_update": 1,
+                "group_size": 8, "prompts_per_step": 2, "batch_trajectories": 16, "quota_factor": 1.25,
+                "keep_last": 2, "keep_every": 10, "partitions": 1, "quota_wait_s": 120.0,
+                "max_new_tokens": 32, "lr": 1e-5, "temperature": 1.0, "eval_episodes": 128, "curve_points": 3,
+                "minutes": 60.0},
+}
+
+
+def apply_preset(args: argparse.Namespace, argv: list[str]) -> argparse.Namespace:
+    """The preset's values for every option the command line did not set itself."""
+    given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
+    for key, value in PRESETS[args.preset].items() if args.preset else ():
+        if key not in given:
+            setattr(args, key, value)
+    return args
+
+
+def prepare_model(args: argparse.Namespace) -> None:
+    """Convert a named pretrained model once (verified GGUF -> safetensors folder) before services load it."""
+    if args.model and subprocess.call([sys.executable, "-m", "learner.pretrained", args.model]) != 0:
+        raise SystemExit(f"cannot prepare --model {args.model}: see the message above")
+
+
+def interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt  # a `kill` stops the run as Ctrl-C does: services stopped, report written
+
+
+def free_port(wanted: int) -> int:
+    """`wanted` when nothing listens on it, else a free port (said on the console)."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("0.0.0.0", wanted))
+            return wanted
+        except OSError:
+            probe.bind(("0.0.0.0", 0))
+            port = int(probe.getsockname()[1])
+    console.print(f"port {wanted} is in use (another monitor?): this run's /metrics is on port {port}")
+    return port
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    args = parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    signal.signal(signal.SIGTERM, interrupt)
+    args = apply_preset(parser().parse_args(argv), argv)
+    args.monitor_port = free_port(args.monitor_port)
+    prepare_model(args)
     console.print("starting Kafka and MinIO (fetched once into the cache dir)…")
     settings = platform()
-    run = Run(args.ns, Path(args.runs_dir) / args.ns, settings)
-    bootstrap(settings, args.ns, partitions=2)
-    run.services = plan(args, args.ns)
-    for service in run.services:
-        start(run, service)
+    run_dir = Path(args.runs_dir) / args.ns
+    run = Run(args.ns, run_dir, settings, Supervisor(settings, run_dir / "logs"))
+    bootstrap(settings, args.ns, partitions=args.partitions)
+    for service in plan(args, args.ns):
+        run.supervisor.add(service)
+    run.supervisor.start_due(lambda s: s.when == "start")
     how = supervise(run, args.minutes)
     shutdown(run)
     console.print("evaluating the first and the last checkpoint on held-out tasks…")
     results = evaluate(run, args)
     report(run)
-    problems = healthy(run, results, how)
-    for r in results:
-        console.print(f"v{r['version']}: end-to-end {r['end_to_end']:.3f}, single-step {r['single_step']:.3f}, "
-                      f"reward {r['reward_mean']:.3f}")
-    console.print(f"report: {run.dir}/")
+    problems = healthy(run, results, how, args)
+    (run.dir / "health.json").write_text(json.dumps({"problems": problems, "goals": goals(results, args)}, indent=2))
+    for r in sorted(results, key=lambda r: (r["mode"], r["version"])):
+        console.print(f"v{r['version']:<4} {r['phase']:>7} {r['mode']:>7}: held-out success {r['success']:.3f} "
+                      f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}] of {r['episodes']}, reward {r['reward_mean']:.3f}, "
+                      f"at {r['seconds']:.0f}s")
+    for line in goals(results, args):
+        console.print(line)
+    console.print(f"report: {run.dir}/ (learning_curve.png, eval.json, summary.md, logs/)")
+    if args.down:
+        console.print(f"stopping Kafka and MinIO: {Launcher().down()}")
+    else:
+        console.print(f"Kafka ({settings.kafka_bootstrap}) and MinIO ({settings.s3_endpoint}) are still running, "
+                      f"with this run's topics and objects (namespace {run.ns}): `python -m infra down` stops "
+                      f"them, `python -m infra delete-namespace {run.ns}` removes the run's data, "
+                      "`python -m infra namespaces` lists every run")
     console.print("[green]healthy run[/green]" if not problems else f"[red]unhealthy[/red]: {problems}")
     return 0 if not problems else 1
 

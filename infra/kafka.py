@@ -25,6 +25,9 @@ class DeliveryError(PipelineError):
     """Records the broker did not acknowledge."""
 
 
+# The largest record a producer of this project sends (brokers here accept 8 MiB: docker-compose, local).
+RECORD_LIMIT = 4 * 1024 * 1024
+
 def producer_config(settings: Settings, **overrides: Any) -> dict[str, Any]:
     conf: dict[str, Any] = {
         "bootstrap.servers": settings.kafka_bootstrap,
@@ -35,7 +38,7 @@ def producer_config(settings: Settings, **overrides: Any) -> dict[str, Any]:
         "queue.buffering.max.kbytes": 256 * 1024,
         # Retry for as long as it takes (a broker restart); the publisher surfaces failures.
         "message.timeout.ms": 300_000,
-        "message.max.bytes": 4 * 1024 * 1024,
+        "message.max.bytes": RECORD_LIMIT,
     }
     conf.update(overrides)
     return conf
@@ -204,3 +207,11 @@ def _watermarks(settings: Settings, topic: str, timeout: float) -> dict[int, tup
         return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout) for p in parts}
     finally:
         c.close()
+
+
+def group_assignment(settings: Settings, group: str, topic: str, timeout: float = 10.0) -> dict[str, set[int]]:
+    """The partitions of `topic` each member of consumer group `group` holds now (member id -> partitions)."""
+    client = admin(settings)  # held until the future resolves: a collected client fails it with _DESTROY
+    described = client.describe_consumer_groups([group], request_timeout=timeout)[group].result(timeout=timeout)
+    return {m.member_id: {tp.partition for tp in m.assignment.topic_partitions if tp.topic == topic}
+            for m in described.members}

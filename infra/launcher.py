@@ -1,12 +1,18 @@
 """Runs a real Kafka broker (KRaft) and a real MinIO server on loopback, without Docker.
 
-    python -m infra up       # fetch once into the cache dir, start both, wait until they answer
-    python -m infra status   # versions, addresses, pids
-    python -m infra down     # stop what `up` started (by pid)
+    python -m infra up              # fetch once into the cache dir, start both, wait until they answer
+    python -m infra up --brokers 3  # a 3-node KRaft cluster instead of one broker (topics replicated 3 times)
+    python -m infra status          # versions, addresses, pids of every node
+    python -m infra down            # stop what `up` started (by pid)
+
+A cluster's node i (1-based) listens on the Kafka port + 2(i - 1) and its controller on the next port; every
+node is a combined broker and controller in one static quorum. How many brokers a state dir holds is written
+when it is formatted, so later `status`, `down` and `up` calls need no flag.
 """
 from __future__ import annotations
 
 import base64
+import functools
 import os
 import secrets
 import shutil
@@ -26,7 +32,10 @@ from schemas.errors import InfraError
 
 KAFKA_VERSION = "4.1.1"
 MINIO_VERSION = "v0.0.0-20260212201848-7aac2a2c5b7c"
+COMPOSE_VERSION = "v5.6.0"  # github.com/docker/compose/v5: validates infra/docker-compose.yml with no engine
 HERE = Path(__file__).with_name("local")
+BROKERS_VAR = "TRAJPIPE_KAFKA_BROKERS"
+MAX_REPLICATION = 3
 
 
 @dataclass(frozen=True)
@@ -73,21 +82,63 @@ def read_pid(pid_file: Path) -> Optional[int]:
     return pid if _alive(pid) else None
 
 
+def replication(brokers: int) -> tuple[int, int]:
+    """(replication factor, min.insync.replicas) for a cluster of `brokers`: 3 and 2 from three brokers on,
+    so one broker may be lost while writes with acks=all go on."""
+    factor = min(brokers, MAX_REPLICATION)
+    return factor, max(1, factor - 1)
+
+
 class Launcher:
-    """Fetches, starts, checks and stops the local Kafka and MinIO servers."""
+    """Fetches, starts, checks and stops the local Kafka node(s) and MinIO server."""
 
     def __init__(self, root: Optional[Path] = None, state_dir: Optional[Path] = None,
-                 kafka_port: Optional[int] = None, minio_port: Optional[int] = None) -> None:
+                 kafka_port: Optional[int] = None, minio_port: Optional[int] = None,
+                 brokers: Optional[int] = None) -> None:
         self.root = root or cache_dir()
         self.state = state_dir or self.root / "local"
         self.kafka_port = kafka_port or int(os.environ.get("TRAJPIPE_KAFKA_PORT", DEFAULT_KAFKA_PORT))
         self.minio_port = minio_port or int(os.environ.get("TRAJPIPE_MINIO_PORT", DEFAULT_MINIO_PORT))
+        recorded = self._recorded_brokers()
+        wanted = brokers or recorded or int(os.environ.get(BROKERS_VAR) or 1)
+        if wanted < 1:
+            raise InfraError(f"a Kafka cluster needs at least one broker, not {wanted}")
+        if recorded and wanted != recorded:
+            raise InfraError(f"the local Kafka in {self.state} was formatted with {recorded} broker(s), not "
+                             f"{wanted}: `python -m infra down`, then delete {self.state}/kafka-data* (its topics "
+                             f"are lost) to make it again with {wanted}")
+        self.brokers = wanted
 
     # ---- servers -------------------------------------------------------------------------------
     @property
     def kafka(self) -> Server:
-        return Server("kafka", KAFKA_VERSION, self.kafka_port, f"127.0.0.1:{self.kafka_port}",
-                      self.state / "kafka.pid", self.state / "kafka.log")
+        """Node 1 (the only one of a single-broker platform)."""
+        return self.kafka_nodes[0]
+
+    @property
+    def kafka_nodes(self) -> list[Server]:
+        nodes = []
+        for i in range(1, self.brokers + 1):
+            name, port = ("kafka" if i == 1 else f"kafka-{i}"), self.kafka_port + 2 * (i - 1)
+            nodes.append(Server(name, KAFKA_VERSION, port, f"127.0.0.1:{port}", self.state / f"{name}.pid",
+                                self.state / f"{name}.log"))
+        return nodes
+
+    def server(self, name: str) -> Server:
+        for server in (*self.kafka_nodes, self.minio):
+            if server.name == name:
+                return server
+        raise InfraError(f"no server {name!r} here: {', '.join(s.name for s in (*self.kafka_nodes, self.minio))}")
+
+    def _data_dir(self, node: int) -> Path:
+        return self.state / ("kafka-data" if node == 1 else f"kafka-data-{node}")
+
+    def _recorded_brokers(self) -> int:
+        """How many brokers this state dir's Kafka was formatted with (0: not formatted yet)."""
+        record = self.state / "kafka.brokers"
+        if record.exists():
+            return int(record.read_text().strip())
+        return 1 if (self._data_dir(1) / "meta.properties").exists() else 0
 
     @property
     def minio(self) -> Server:
@@ -122,7 +173,12 @@ class Launcher:
         binary = self.root / "minio" / MINIO_VERSION / "minio"
         if binary.exists():
             return binary
-        go = _need("go", "install Go (apt-get install -y golang) to build MinIO")
+        from infra.doctor import CHECKS, check
+
+        ok, line = check(next(c for c in CHECKS if c.tool == "go"))
+        if not ok:
+            raise InfraError(f"cannot build MinIO: {line}")
+        go = _need("go", "")
         binary.parent.mkdir(parents=True, exist_ok=True)
         print(f"building MinIO {MINIO_VERSION} with `go install` into {binary.parent} (once, a few minutes)", file=sys.stderr, flush=True)
         env = {**os.environ, "GOBIN": str(binary.parent), "CGO_ENABLED": "0"}
@@ -132,9 +188,40 @@ class Launcher:
             raise InfraError(f"`go install github.com/minio/minio@{MINIO_VERSION}` failed: {proc.stderr[-3000:]}")
         return binary
 
+    def compose_binary(self) -> Path:
+        """`docker-compose` built once from the Compose Go module: `config` validates the deployment file
+        without a Docker engine. (`go install` refuses the module for its exclude directives, so it is built
+        in a writable copy of the downloaded module.)"""
+        binary = self.root / "compose" / COMPOSE_VERSION / "docker-compose"
+        if binary.exists():
+            return binary
+        go = _need("go", "install Go 1.26 (see `python -m infra doctor`)")
+        module = f"github.com/docker/compose/v5@{COMPOSE_VERSION}"
+        print(f"building docker-compose {COMPOSE_VERSION} from its Go module into {binary.parent} (once, ~1 minute)",
+              file=sys.stderr, flush=True)
+        env = {**os.environ, "CGO_ENABLED": "0"}
+        proc = subprocess.run([go, "mod", "download", "-json", module], capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            raise InfraError(f"`go mod download {module}` failed: {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        import json
+
+        source = Path(json.loads(proc.stdout)["Dir"])
+        work = binary.parent / "src"
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(source, work)
+        for path in [work, *work.rglob("*")]:
+            path.chmod(path.stat().st_mode | 0o200)
+        proc = subprocess.run([go, "build", "-o", str(binary), "./cmd"], cwd=work, capture_output=True, text=True,
+                              env=env)
+        shutil.rmtree(work, ignore_errors=True)
+        if proc.returncode != 0 or not binary.exists():
+            raise InfraError(f"building docker-compose {COMPOSE_VERSION} failed: {proc.stderr[-3000:]}")
+        return binary
+
     def fetch(self) -> None:
         self.kafka_libs()
         self.minio_binary()
+        self.compose_binary()
 
     # ---- start ---------------------------------------------------------------------------------
     def _check_port_free(self, server: Server, *extra: int) -> None:
@@ -153,41 +240,57 @@ class Launcher:
         server.pid_file.write_text(str(proc.pid))
         return proc.pid
 
-    def _kafka_config(self) -> Path:
-        data = self.state / "kafka-data"
+    def _kafka_config(self, node: int) -> Path:
+        """Node `node`'s server.properties; formats every node's data dir (one cluster id) the first time."""
         self.state.mkdir(parents=True, exist_ok=True)
-        conf = self.state / "server.properties"
-        text = (HERE / "server.properties").read_text()
-        for k, v in {"@PORT@": str(self.kafka_port), "@CONTROLLER_PORT@": str(self.kafka_port + 1),
-                     "@DATA_DIR@": str(data)}.items():
-            text = text.replace(k, v)
-        conf.write_text(text)
-        if not (data / "meta.properties").exists():
+        factor, min_isr = replication(self.brokers)
+        controllers = [(i, self.kafka_port + 2 * (i - 1) + 1) for i in range(1, self.brokers + 1)]
+        # one node keeps the dynamic quorum it always had; a cluster names its voters statically
+        quorum = (f"controller.quorum.bootstrap.servers=127.0.0.1:{controllers[0][1]}" if self.brokers == 1 else
+                  "controller.quorum.voters=" + ",".join(f"{i}@127.0.0.1:{port}" for i, port in controllers))
+        confs = []
+        for i, controller in controllers:
+            text = (HERE / "server.properties").read_text()
+            for k, v in {"@NODE_ID@": str(i), "@QUORUM@": quorum, "@PORT@": str(controller - 1),
+                         "@CONTROLLER_PORT@": str(controller), "@DATA_DIR@": str(self._data_dir(i)),
+                         "@REPLICATION@": str(factor), "@MIN_ISR@": str(min_isr)}.items():
+                text = text.replace(k, v)
+            conf = self.state / ("server.properties" if i == 1 else f"server-{i}.properties")
+            conf.write_text(text)
+            confs.append(conf)
+        if not (self._data_dir(1) / "meta.properties").exists():
             cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
-            # "=": a base64 id may start with "-", which argparse would take for an option
-            proc = subprocess.run(self._java(["kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",
-                                              "-c", str(conf), "--standalone"]), capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise InfraError(f"formatting the Kafka data dir failed: {proc.stdout}{proc.stderr}")
-        return conf
+            for conf in confs:
+                # "=": a base64 id may start with "-", which argparse would take for an option
+                args = ["kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}", "-c", str(conf)]
+                proc = subprocess.run(self._java(args + (["--standalone"] if self.brokers == 1 else [])),
+                                      capture_output=True, text=True)
+                if proc.returncode != 0:
+                    raise InfraError(f"formatting the Kafka data dir failed: {proc.stdout}{proc.stderr}")
+            (self.state / "kafka.brokers").write_text(f"{self.brokers}\n")
+        return confs[node - 1]
 
-    def _java(self, args: list[str]) -> list[str]:
+    def _java(self, args: list[str], log_file: Optional[Path] = None) -> list[str]:
         java = _need("java", "install Java 17 (apt-get install -y openjdk-17-jre-headless)")
         log4j = self.state / "log4j2.xml"
         self.state.mkdir(parents=True, exist_ok=True)
         log4j.write_text((HERE / "log4j2.xml").read_text())
         return [java, "-Xms256m", "-Xmx1g", "-XX:+UseG1GC", "-Djava.awt.headless=true",
-                f"-Dlog4j2.configurationFile={log4j}", f"-Dkafka.logs.file={self.kafka.log_file}",
+                f"-Dlog4j2.configurationFile={log4j}", f"-Dkafka.logs.file={log_file or self.kafka.log_file}",
                 "-cp", f"{self.kafka_libs()}/*", *args]
 
-    def start_kafka(self) -> str:
-        server = self.kafka
-        if read_pid(server.pid_file):
+    def start_kafka(self, only: Optional[str] = None) -> str:
+        """Start every node that is not running (or only the one named); wait until each answers and, on a
+        cluster, until the cluster's metadata lists every broker."""
+        nodes = [(i, n) for i, n in enumerate(self.kafka_nodes, 1) if only is None or n.name == only]
+        down = [(i, n) for i, n in nodes if not read_pid(n.pid_file)]
+        if not down:
             return "already running"
-        self._check_port_free(server, server.port + 1)
-        conf = self._kafka_config()
-        self._spawn(server, self._java(["kafka.Kafka", str(conf)]))
-        self._wait(server, self._kafka_ready, 90)
+        for i, node in down:
+            self._check_port_free(node, node.port + 1)
+            self._spawn(node, self._java(["kafka.Kafka", str(self._kafka_config(i))], node.log_file))
+        for _, node in down:
+            self._wait(node, lambda: self._kafka_ready(node), 120)
         return "started"
 
     def minio_credentials(self) -> dict[str, str]:
@@ -206,9 +309,10 @@ class Launcher:
         return creds
 
     def settings(self) -> Settings:
-        """How a client reaches these two servers."""
+        """How a client reaches these servers (every Kafka node in the bootstrap list)."""
         creds = self.minio_credentials()
-        return Settings(self.kafka.address, self.minio.address, creds["MINIO_ROOT_USER"], creds["MINIO_ROOT_PASSWORD"])
+        return Settings(",".join(node.address for node in self.kafka_nodes), self.minio.address,
+                        creds["MINIO_ROOT_USER"], creds["MINIO_ROOT_PASSWORD"])
 
     def start_minio(self) -> str:
         server = self.minio
@@ -234,16 +338,18 @@ class Launcher:
             time.sleep(0.5)
         raise InfraError(f"{server.name} did not become ready in {timeout:.0f}s; see {server.log_file}")
 
-    def _kafka_ready(self) -> bool:
-        if not port_open(self.kafka_port):
+    def _kafka_ready(self, node: Optional[Server] = None) -> bool:
+        """The node answers a metadata request, and that metadata lists every broker of the cluster."""
+        node = node or self.kafka
+        if not port_open(node.port):
             return False
         from confluent_kafka.admin import AdminClient  # a real client call, not just an open port
 
         try:
-            AdminClient({"bootstrap.servers": self.kafka.address}).list_topics(timeout=3)
-            return True
+            meta = AdminClient({"bootstrap.servers": node.address}).list_topics(timeout=3)
         except Exception:
             return False
+        return len(meta.brokers) >= self.brokers
 
     def _minio_ready(self) -> bool:
         try:
@@ -273,11 +379,11 @@ class Launcher:
         return "stopped"
 
     def down(self) -> dict[str, str]:
-        return {"minio": self.stop(self.minio), "kafka": self.stop(self.kafka)}
+        return {"minio": self.stop(self.minio), **{node.name: self.stop(node) for node in self.kafka_nodes}}
 
     def kill(self, name: str) -> None:
-        """SIGKILL one server (fault-injection tests)."""
-        server = getattr(self, name)
+        """SIGKILL one server: "minio", "kafka" (node 1) or "kafka-N" (fault-injection tests)."""
+        server = self.server(name)
         pid = read_pid(server.pid_file)
         if pid is not None:
             os.killpg(pid, signal.SIGKILL)
@@ -285,11 +391,17 @@ class Launcher:
                 time.sleep(0.05)
 
     def start(self, name: str) -> str:
-        return self.start_kafka() if name == "kafka" else self.start_minio()
+        """Start "minio", every Kafka node that is down ("kafka"), or one node of a cluster ("kafka-N")."""
+        if name == "minio":
+            return self.start_minio()
+        return self.start_kafka(only=None if name == "kafka" else self.server(name).name)
 
     def status(self) -> dict[str, dict[str, object]]:
         out: dict[str, dict[str, object]] = {}
-        for server, ready in ((self.kafka, self._kafka_ready), (self.minio, self._minio_ready)):
+        checks: list[tuple[Server, Callable[[], bool]]] = [
+            *((node, functools.partial(self._kafka_ready, node)) for node in self.kafka_nodes),
+            (self.minio, self._minio_ready)]
+        for server, ready in checks:
             pid = read_pid(server.pid_file)
             out[server.name] = {"version": server.version, "address": server.address, "pid": pid,
                                 "running": pid is not None, "ready": pid is not None and ready(),

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import logging
@@ -22,7 +23,21 @@ from schemas.errors import IntegrityError, ObjectNotFound, ObjectStoreError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _MISSING = {"NoSuchKey", "NoSuchObject", "NoSuchBucket"}
+_CORRUPTED = {"XAmzContentChecksumMismatch", "BadDigest"}
+# Objects up to PART are one PUT whose x-amz-checksum-sha256 header makes the server check the whole object's
+# sha256 before it stores it; larger ones go in parts of PART (the client sends no per-part checksums). Either
+# way the ETag the store answers is checked against the one the bytes sent make (the MD5 of a single PUT, the
+# MD5 of the parts' MD5s and "-N" for N parts), so a verified write needs no second download.
+PART = 64 << 20
 _TRANSIENT = (urllib3.exceptions.HTTPError, ConnectionError, TimeoutError, OSError)
+
+
+def expected_etag(data: bytes) -> str:
+    """The S3 ETag of `data` uploaded in parts of PART: its MD5, or the MD5 of the parts' MD5s and "-N"."""
+    if len(data) <= PART:
+        return hashlib.md5(data, usedforsecurity=False).hexdigest()
+    parts = [hashlib.md5(data[i:i + PART], usedforsecurity=False).digest() for i in range(0, len(data), PART)]
+    return hashlib.md5(b"".join(parts), usedforsecurity=False).hexdigest() + f"-{len(parts)}"
 
 
 class ObjectStore:
@@ -49,6 +64,9 @@ class ObjectStore:
             except S3Error as exc:
                 if exc.code in _MISSING:
                     raise ObjectNotFound(f"{what}: {exc.code} in bucket {self.bucket!r}") from exc
+                if exc.code in _CORRUPTED:
+                    raise IntegrityError(f"{what}: the store received other bytes than were sent ({exc.code}); "
+                                         "nothing was stored") from exc
                 if exc.code not in ("SlowDown", "ServiceUnavailable", "InternalError", "XMinioServerNotInitialized"):
                     raise ObjectStoreError(f"{what}: {exc.code}: {exc.message}") from exc
                 err: Exception = exc
@@ -74,12 +92,21 @@ class ObjectStore:
         return True
 
     def put(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> str:
+        """Store `data`; returns its sha256 hex. Up to PART bytes the server checks the sha256 on arrival
+        (IntegrityError when the bytes it received differ, and then nothing is stored)."""
+        return self._put(key, data, content_type)[0]
+
+    def _put(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> tuple[str, bool]:
+        """(sha256 hex, whether the ETag the store answered is the one these bytes make)."""
         digest = hashlib.sha256(data).hexdigest()
-        self._call(f"put {key}", lambda: self._client.put_object(
-            self.bucket, key, io.BytesIO(data), len(data), content_type=content_type,
-            metadata={"sha256": digest},
+        metadata: dict[str, str | list[str] | tuple[str]] = {"sha256": digest}
+        if len(data) <= PART:
+            metadata["x-amz-checksum-sha256"] = base64.b64encode(bytes.fromhex(digest)).decode()
+        result = self._call(f"put {key}", lambda: self._client.put_object(
+            self.bucket, key, io.BytesIO(data), len(data), content_type=content_type, metadata=metadata,
+            part_size=PART,
         ))
-        return digest
+        return digest, (result.etag or "").strip('"') == expected_etag(data)
 
     def get(self, key: str, sha256: Optional[str] = None) -> bytes:
         def fetch() -> bytes:
@@ -96,9 +123,11 @@ class ObjectStore:
         return data
 
     def put_verified(self, key: str, data: bytes) -> str:
-        """Write, read back and compare: the object is known good before anyone is told about it."""
-        digest = self.put(key, data)
-        self.get(key, sha256=digest)
+        """Write so that the object is known good before anyone is told about it: by the server's sha256 check
+        and the ETag it answers, or, where its ETags are no MD5s (encryption, compression), read back."""
+        digest, etag_matches = self._put(key, data)
+        if not etag_matches:
+            self.get(key, sha256=digest)
         return digest
 
     def exists(self, key: str) -> bool:
@@ -116,6 +145,12 @@ class ObjectStore:
         objs = self._call(f"list {prefix}", lambda: list(
             self._client.list_objects(self.bucket, prefix=prefix, recursive=recursive)))
         return sorted(o.object_name for o in objs if o.object_name is not None)
+
+    def usage(self, prefix: str) -> tuple[int, int]:
+        """(objects, bytes) under `prefix`."""
+        objs = self._call(f"list {prefix}", lambda: list(self._client.list_objects(self.bucket, prefix=prefix,
+                                                                                    recursive=True)))
+        return len(objs), sum(int(o.size or 0) for o in objs)
 
     def iter_list(self, prefix: str = "") -> Iterator[str]:
         yield from self.list(prefix)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from schemas.errors import ConfigError
 
@@ -27,6 +27,14 @@ def state_credentials(path: Path) -> dict[str, str]:
         return {}
     pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
     return {k.strip(): v.strip() for k, v in pairs}
+
+
+def local_kafka_bootstrap(env: Mapping[str, str] = os.environ) -> str:
+    """Every node of the local platform (`python -m infra up [--brokers N]`): node i on the Kafka port + 2(i-1)."""
+    port = int(env.get("TRAJPIPE_KAFKA_PORT") or DEFAULT_KAFKA_PORT)
+    record = cache_dir(env) / "local" / "kafka.brokers"
+    brokers = int(record.read_text().strip() or 1) if record.exists() else 1
+    return ",".join(f"127.0.0.1:{port + 2 * i}" for i in range(brokers))
 
 
 @dataclass(frozen=True)
@@ -50,7 +58,7 @@ class Settings:
                 "(or MINIO_ROOT_USER/MINIO_ROOT_PASSWORD), or run `python -m infra up` to start a local MinIO"
             )
         settings = cls(
-            kafka_bootstrap=env.get("TRAJPIPE_KAFKA_BOOTSTRAP", f"127.0.0.1:{DEFAULT_KAFKA_PORT}"),
+            kafka_bootstrap=env.get("TRAJPIPE_KAFKA_BOOTSTRAP") or local_kafka_bootstrap(env),
             s3_endpoint=env.get("TRAJPIPE_S3_ENDPOINT", f"127.0.0.1:{DEFAULT_MINIO_PORT}"),
             s3_access_key=access,
             s3_secret_key=secret,
@@ -84,3 +92,14 @@ class Settings:
             "TRAJPIPE_S3_SECURE": "1" if self.s3_secure else "0",
             "TRAJPIPE_BUCKET": self.bucket,
         }
+
+
+NS_VAR = "TRAJPIPE_NS"
+
+
+def add_ns_argument(parser: Any, flag: str = "--ns", help: str = "run namespace (topics <ns>.*)",
+                    env: Optional[Mapping[str, str]] = None) -> None:
+    """`--ns` (or `flag`) defaulting to $TRAJPIPE_NS, and required when that is unset."""
+    default = (os.environ if env is None else env).get(NS_VAR) or None
+    parser.add_argument(flag, default=default, required=default is None,
+                        help=f"{help} (default: ${NS_VAR}{'' if default is None else ', now ' + default})")

@@ -8,6 +8,7 @@ Order of a save (each step can crash; the restart reads only what was announced)
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -16,9 +17,10 @@ from infra.kafka import Publisher, read_topic
 from infra.objectstore import ObjectStore
 from infra.settings import Settings
 from learner.checkpoint_files import verify_files
+from learner.settings import parse_init
 from schemas.codec import codec
-from schemas.errors import CheckpointError, DecodeError, IntegrityError, ObjectNotFound
-from schemas.keys import checkpoint_prefix
+from schemas.errors import CheckpointError, DecodeError, IntegrityError, ManifestError, ObjectNotFound
+from schemas.keys import checkpoint_announcement_key, checkpoint_prefix
 from schemas.manifests import CheckpointManifest
 from schemas.packing import sha256_hex
 from schemas.records import CheckpointPublished
@@ -54,20 +56,23 @@ def announce(publisher: Publisher, topics: Topics, store: ObjectStore, manifest:
         manifest_sha256=manifest_sha, algorithm=manifest.algorithm, batch_ids=tuple(manifest.batch_ids),
         ts=int(time.time() * 1000),
     )
-    publisher.send(topics.checkpoints, manifest.run.encode(), codec.encode(event))
+    publisher.send(topics.checkpoints, checkpoint_announcement_key(manifest.run, manifest.version).encode(),
+                   codec.encode(event))
     publisher.flush()
     return event
 
 
 def published(settings: Settings, topics: Topics) -> list[CheckpointPublished]:
-    """Every announcement still on the compacted topic, oldest version first."""
-    events = []
+    """One announcement per (run, version), the last one made, oldest version first (the compacted topic
+    keeps every version: one key each)."""
+    events: dict[tuple[str, int], CheckpointPublished] = {}
     for msg in read_topic(settings, topics.checkpoints):
         try:
-            events.append(codec.decode(msg.value() or b"", expect=CheckpointPublished))
+            event = codec.decode(msg.value() or b"", expect=CheckpointPublished)
         except DecodeError:
             continue  # not ours to fix here; the monitor shows the topic's dead weight
-    return sorted(events, key=lambda e: e.version)
+        events[(event.run, event.version)] = event
+    return sorted(events.values(), key=lambda e: e.version)
 
 
 def load(store: ObjectStore, event: CheckpointPublished) -> LoadedCheckpoint:
@@ -83,15 +88,88 @@ def load(store: ObjectStore, event: CheckpointPublished) -> LoadedCheckpoint:
 
 
 def newest(settings: Settings, topics: Topics, store: ObjectStore, run: str) -> Optional[LoadedCheckpoint]:
-    """The newest announced checkpoint of `run` that verifies (a broken one is skipped, loudly)."""
-    for event in reversed([e for e in published(settings, topics) if e.run == run]):
+    """The newest announced checkpoint of `run` that verifies (a broken one is skipped, loudly); None when
+    `run` announced nothing. CheckpointError when it announced versions and none verifies: starting over
+    from fresh weights would announce a second, different v0."""
+    announced = [e for e in published(settings, topics) if e.run == run]
+    for event in reversed(announced):
         try:
             return load(store, event)
         except CheckpointError as exc:
-            print(f"warning: {exc}; trying an older one", flush=True)
+            print(f"warning: {exc}; trying the version before it", file=sys.stderr, flush=True)
+    if announced:
+        raise CheckpointError(f"{run} announced v{announced[0].version}..v{announced[-1].version} on "
+                              f"{topics.checkpoints} and none of them verifies in the store: restore the "
+                              f"checkpoints/{run}/ objects, or start a new namespace")
     return None
+
+
+def read_manifest(store: ObjectStore, ns: str, version: int) -> CheckpointManifest:
+    """The manifest of version `version` of `ns`, from the store (the weights stay there)."""
+    return CheckpointManifest.from_json(store.get(checkpoint_prefix(ns, version) + MANIFEST_FILE))
+
+
+def load_version(store: ObjectStore, ns: str, version: int) -> LoadedCheckpoint:
+    """Version `version` of `ns` straight from the store (its manifest names every file's sha256), whether or
+    not its announcement is still on the compacted topic."""
+    prefix = checkpoint_prefix(ns, version)
+    try:
+        manifest = read_manifest(store, ns, version)
+        files = {name: store.get(prefix + name, sha256=entry.sha256) for name, entry in manifest.files.items()}
+        verify_files(files, manifest.files)
+    except ObjectNotFound as exc:
+        raise CheckpointError(f"checkpoint v{version} of {ns} is not in the store (a retention of its learner, "
+                              f"--keep-last/--keep-every, may have let it go): {exc}") from exc
+    except (IntegrityError, ManifestError) as exc:
+        raise CheckpointError(f"checkpoint v{version} of {ns} does not verify: {exc}") from exc
+    event = CheckpointPublished(run=manifest.run, version=version, step=manifest.step, bucket=store.bucket,
+                                prefix=prefix, manifest_key=prefix + MANIFEST_FILE, manifest_sha256="",
+                                algorithm=manifest.algorithm, batch_ids=tuple(manifest.batch_ids), ts=0)
+    return LoadedCheckpoint(event, manifest, files)
 
 
 def trained_batch_ids(settings: Settings, topics: Topics, run: str, up_to: int) -> set[str]:
     """Batch ids trained into versions <= up_to (the lineage a restart continues)."""
     return {b for e in published(settings, topics) if e.run == run and e.version <= up_to for b in e.batch_ids}
+
+
+def ancestors(store: ObjectStore, run: str) -> list[tuple[str, int]]:
+    """The (run, version) checkpoints `run` descends from, nearest first: its v0 manifest's `init_from`, that
+    run's, and so on. The chain ends where a run started fresh, or where an ancestor's objects are gone (its
+    trajectories then count as outside the lineage)."""
+    chain: list[tuple[str, int]] = []
+    while True:
+        try:
+            origin = read_manifest(store, run, 0).init_from
+        except (ManifestError, ObjectNotFound):
+            return chain
+        if not origin:
+            return chain
+        parent, version = parse_init(origin, run)  # as --init wrote it (a run never names itself)
+        if any(parent == r for r, _ in chain):
+            raise CheckpointError(f"checkpoints of {run} name {origin} as their origin: a cycle")
+        chain.append((parent, version))
+        run = parent
+
+
+def prunable(version: int, keep_last: int, keep_every: int, protected: set[int]) -> Optional[int]:
+    """The version that a retention of the last `keep_last` versions (and every `keep_every`-th, and the
+    `protected` ones) lets go when `version` is announced: each version is let go once, when it falls out of
+    the last `keep_last` (None: nothing to let go, or no retention)."""
+    old = version - keep_last
+    if keep_last <= 0 or old <= 0 or old in protected or (keep_every > 0 and old % keep_every == 0):
+        return None
+    return old
+
+
+def prune(store: ObjectStore, ns: str, version: int) -> int:
+    """Delete a version's files (weights, optimizer, config); its manifest stays, so lineage still says what
+    trained into it and why not. Returns the bytes freed."""
+    prefix = checkpoint_prefix(ns, version)
+    try:
+        manifest = read_manifest(store, ns, version)
+    except (ManifestError, ObjectNotFound):
+        return 0
+    for name in manifest.files:
+        store.delete(prefix + name)
+    return sum(entry.size for entry in manifest.files.values())

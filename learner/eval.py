@@ -1,16 +1,17 @@
-"""Evaluates published checkpoints on held-out tasks, through the pipeline itself.
+"""Evaluates published checkpoints on held-out tasks, through the pipeline itself, with 95% confidence intervals.
 
-    python -m learner.eval --ns demo --versions 0,latest --sources math-easy --episodes 64
+    python -m learner.eval --ns demo --versions first,latest --sources reverse --episodes 256
 
-For each version: a fresh namespace, a rollout worker pinned to that checkpoint drawing held-out tasks
-only, and a streams worker scoring them with the same reward function the training used. Reports
-single-step success (the first attempt), multi-turn success (any attempt, code repairs included),
-end-to-end success (the scored outcome) and the mean reward.
+For each version: a rollout worker pinned to that checkpoint draws held-out tasks only, once greedily (one
+sample per task) and once sampled at the training temperature, into a fresh namespace where a streams worker
+scores them with the reward function the training used. Reports the success rate of each mode with its
+Wilson interval, single-step and multi-turn success (code repairs), and the mean reward.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
@@ -20,10 +21,10 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from infra.bootstrap import bootstrap
+from infra.bootstrap import bootstrap, delete_topics
 from infra.kafka import end_offsets, read_topic
 from infra.objectstore import ObjectStore
-from infra.settings import Settings
+from infra.settings import Settings, add_ns_argument
 from learner import checkpoint_store
 from schemas.codec import codec
 from schemas.errors import CheckpointError, PipelineError
@@ -31,15 +32,36 @@ from schemas.manifests import CheckpointManifest
 from schemas.records import Trajectory
 from schemas.topics import Topics
 
+Z95 = 1.959964
+
+
+def wilson(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval of a success rate: sound near 0 and 1, where the normal one is not."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
 
 @dataclass(frozen=True)
 class EvalResult:
     version: int
+    mode: str               # "greedy" or "sampled"
     episodes: int
+    successes: int
+    success: float          # end to end: the scored outcome solved the task
+    ci_low: float
+    ci_high: float
     single_step: float
     multi_turn: float
-    end_to_end: float
     reward_mean: float
+
+    def line(self) -> str:
+        return (f"v{self.version} {self.mode:>7}: success {self.success:.3f} "
+                f"[{self.ci_low:.3f}, {self.ci_high:.3f}] ({self.successes}/{self.episodes}), "
+                f"reward {self.reward_mean:.3f}")
 
 
 def first_attempt_ok(t: Trajectory) -> bool:
@@ -58,13 +80,15 @@ def outcome_ok(t: Trajectory) -> bool:
     return max(t.reward_components.get("outcome/correct", 0.0), t.reward_components.get("outcome/tests_passed", 0.0)) >= 1.0
 
 
-def summarise(version: int, trajectories: list[Trajectory]) -> EvalResult:
-    n = max(1, len(trajectories))
-    return EvalResult(version=version, episodes=len(trajectories),
-                      single_step=sum(map(first_attempt_ok, trajectories)) / n,
-                      multi_turn=sum(map(any_attempt_ok, trajectories)) / n,
-                      end_to_end=sum(map(outcome_ok, trajectories)) / n,
-                      reward_mean=sum(t.reward for t in trajectories) / n)
+def summarise(version: int, mode: str, trajectories: list[Trajectory]) -> EvalResult:
+    n = len(trajectories)
+    wins = sum(map(outcome_ok, trajectories))
+    low, high = wilson(wins, n)
+    share = 1 / max(1, n)
+    return EvalResult(version=version, mode=mode, episodes=n, successes=wins, success=wins * share, ci_low=low,
+                      ci_high=high, single_step=sum(map(first_attempt_ok, trajectories)) * share,
+                      multi_turn=sum(map(any_attempt_ok, trajectories)) * share,
+                      reward_mean=sum(t.reward for t in trajectories) * share)
 
 
 def resolve_versions(settings: Settings, topics: Topics, wanted: str) -> list[int]:
@@ -72,16 +96,18 @@ def resolve_versions(settings: Settings, topics: Topics, wanted: str) -> list[in
     if not announced:
         raise CheckpointError(f"{topics.checkpoints} has no checkpoint to evaluate")
     out = []
-    for part in wanted.split(","):
-        part = part.strip()
+    for part in filter(None, (p.strip() for p in wanted.split(","))):
         out.append(announced[-1] if part == "latest" else announced[0] if part == "first" else int(part))
     return list(dict.fromkeys(out))
 
 
-def model_shape(store: ObjectStore, settings: Settings, topics: Topics, version: int) -> tuple[int, int]:
-    event = next(e for e in checkpoint_store.published(settings, topics) if e.version == version)
-    config = CheckpointManifest.from_json(store.get(event.manifest_key, sha256=event.manifest_sha256)).model_config
-    return int(config["num_hidden_layers"]), int(config["hidden_size"])
+def model_args(store: ObjectStore, ns: str, version: int) -> list[str]:
+    """The rollout worker's model flags for a checkpoint: its own directory's model, or the tiny model's shape."""
+    manifest = checkpoint_store.read_manifest(store, ns, version)  # the flags only: the worker fetches weights
+    config = manifest.model_config
+    if manifest.base_model:
+        return ["--model-dir", manifest.base_model]
+    return ["--layers", str(config["num_hidden_layers"]), "--width", str(config["hidden_size"])]
 
 
 def count(settings: Settings, topic: str) -> int:
@@ -99,26 +125,47 @@ class Evaluation:
         log = open(os.devnull, "wb") if not self.args.verbose else None
         return subprocess.Popen([sys.executable, "-m", module, *argv], env=self.env, stdout=log, stderr=log)
 
-    def run_version(self, version: int) -> EvalResult:
+    def worker(self, ns: str, version: int, mode: str) -> list[str]:
         a = self.args
-        ns = f"{a.ns}-eval-v{version}-{uuid.uuid4().hex[:6]}"
+        greedy = mode == "greedy"
+        return ["--ns", ns, "--init-checkpoint", f"{a.ns}:{version}", "--split", "heldout", "--sources", a.sources,
+                "--episodes", str(a.episodes), "--group-size", "1" if greedy else str(a.group_size),
+                "--no-follow", "--max-new-tokens", str(a.max_new_tokens), "--temperature",
+                "0" if greedy else str(a.temperature), "--seed", str(a.seed), "--producer-id", f"eval-v{version}-{mode}",
+                *model_args(self.store, a.ns, version)]
+
+    def run(self, versions: list[int]) -> list[EvalResult]:
+        """Every version in both modes, in one throwaway namespace scored by one streams worker."""
+        ns = f"{self.args.ns}-eval-{uuid.uuid4().hex[:6]}"
         bootstrap(self.settings, ns)
-        layers, width = model_shape(self.store, self.settings, self.topics, version)
-        worker = self.spawn("producers", "--ns", ns, "--init-checkpoint", f"{a.ns}:{version}", "--split", "heldout",
-                            "--sources", a.sources, "--episodes", str(a.episodes), "--group-size", str(a.group_size),
-                            "--no-follow", "--max-new-tokens", str(a.max_new_tokens), "--temperature",
-                            str(a.temperature), "--layers", str(layers), "--width", str(width), "--seed", str(a.seed))
         streams = self.spawn("streams", "--ns", ns)
         try:
-            if worker.wait(timeout=a.timeout) != 0:
-                raise PipelineError(f"the evaluation worker for v{version} failed (rc {worker.returncode})")
-            self.wait_for(Topics(ns).trajectories, a.episodes)
+            expected = 0
+            for version in versions:
+                for mode in self.args.modes.split(","):
+                    started = time.monotonic()
+                    if self.spawn("producers", *self.worker(ns, version, mode)).wait(timeout=self.args.timeout) != 0:
+                        raise PipelineError(f"the evaluation worker for v{version} ({mode}) failed")
+                    expected += self.args.episodes
+                    print(f"v{version} {mode}: {self.args.episodes} held-out episodes in "
+                          f"{time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
+            self.wait_for(Topics(ns).trajectories, expected)
+            trajectories = [codec.decode(m.value() or b"", expect=Trajectory)
+                            for m in read_topic(self.settings, Topics(ns).trajectories)]
         finally:
             streams.send_signal(signal.SIGTERM)
             streams.wait(timeout=60)
-        trajs = [codec.decode(m.value() or b"", expect=Trajectory) for m in read_topic(self.settings, Topics(ns).trajectories)]
-        unique = {t.trajectory_id: t for t in trajs}  # at-least-once upstream: dedupe by id
-        return summarise(version, list(unique.values()))
+            if not self.args.keep:
+                delete_topics(self.settings, [spec.name for spec in Topics(ns).specs()])
+        unique = {t.trajectory_id: t for t in trajectories}  # at-least-once upstream: dedupe by id
+        return [summarise(v, mode, [t for t in unique.values() if self.of(t, v, mode)])
+                for v in versions for mode in self.args.modes.split(",")]
+
+    @staticmethod
+    def of(t: Trajectory, version: int, mode: str) -> bool:
+        """Whether a trajectory was this version's, in this mode: the turns say both (version, temperature)."""
+        greedy = all(turn.temperature == 0 for turn in t.turns)
+        return all(turn.policy_version == version for turn in t.turns) and greedy == (mode == "greedy")
 
     def wait_for(self, topic: str, n: int) -> None:
         deadline = time.monotonic() + self.args.timeout
@@ -131,15 +178,17 @@ class Evaluation:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m learner.eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ns", required=True, help="the namespace whose checkpoints to evaluate")
+    add_ns_argument(p, help="the namespace whose checkpoints to evaluate")
     p.add_argument("--versions", default="first,latest", help="comma-separated versions, 'first' or 'latest'")
-    p.add_argument("--sources", default="math-easy")
-    p.add_argument("--episodes", type=int, default=64)
-    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--modes", default="greedy,sampled", help="greedy (one sample per task), sampled, or both")
+    p.add_argument("--sources", default="reverse")
+    p.add_argument("--episodes", type=int, default=256, help="held-out episodes per version and mode")
+    p.add_argument("--group-size", type=int, default=4, help="samples per task in sampled mode")
     p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=1.0, help="of sampled mode: the training temperature")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--keep", action="store_true", help="keep the evaluation namespace's topics (default: deleted)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--verbose", action="store_true")
     return p
@@ -147,20 +196,21 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parser().parse_args(argv)
+    if not args.ns:
+        print("error: --ns is required (or set TRAJPIPE_NS)", file=sys.stderr)
+        return 2
     try:
         settings = Settings.from_env()
         ev = Evaluation(settings, args)
-        results = [ev.run_version(v) for v in resolve_versions(settings, ev.topics, args.versions)]
+        results = ev.run(resolve_versions(settings, ev.topics, args.versions))
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps([asdict(r) for r in results]))
     else:
-        print(f"{'version':>8} {'episodes':>9} {'single-step':>12} {'multi-turn':>11} {'end-to-end':>11} {'reward':>8}")
         for r in results:
-            print(f"{r.version:>8} {r.episodes:>9} {r.single_step:>12.3f} {r.multi_turn:>11.3f} "
-                  f"{r.end_to_end:>11.3f} {r.reward_mean:>8.3f}")
+            print(r.line())
     return 0
 
 

@@ -73,6 +73,7 @@ def grpo_loss(
     mask: Tensor,
     clip_eps: float,
     clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
     kl_coef: float = 0.0,
     ref_logprobs: Tensor | None = None,
     loss_agg: str = "token-mean",
@@ -81,6 +82,8 @@ def grpo_loss(
 
     `advantages` is (B,) for GRPO (one per sequence, broadcast) or (B, T) for PPO-style per-token advantages.
     `old_logprobs` are the log-probs the rollout worker recorded, so the ratio also corrects for policy lag.
+    `dual_clip` c > 1 bounds a negative-advantage token's loss by c * |A| (dual-clip PPO): without it a token
+    whose ratio exploded (stale data) weighs ratio * |A| and can dominate the whole update.
     """
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages          # (B, 1) or (B, T)
@@ -89,11 +92,16 @@ def grpo_loss(
     ratio = torch.exp(log_ratio)                                                      # (B, T)
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high)                     # (B, T)
     per_token = -torch.min(ratio * adv, clipped * adv)                                # (B, T)
+    if dual_clip is not None:
+        capped = torch.minimum(per_token, -dual_clip * adv)                           # (B, T), only A < 0
+        per_token = torch.where(adv < 0, capped, per_token)                           # (B, T)
     policy_loss = aggregate(per_token, mask, loss_agg)
     kl = torch.zeros_like(logprobs) if ref_logprobs is None else k3_kl(logprobs, ref_logprobs, mask)  # (B, T)
     kl_loss = aggregate(kl, mask, loss_agg)
     loss = policy_loss + kl_coef * kl_loss
     metrics = _ratio_metrics(ratio.detach(), log_ratio.detach(), adv, mask, clip_eps, eps_high)
+    if dual_clip is not None:
+        metrics["stats/dual_clip_frac"] = masked_mean(((ratio.detach() > dual_clip) & (adv < 0)).float(), mask).item()
     metrics.update({"loss/total": loss.item(), "loss/policy": policy_loss.item(), "loss/kl": kl_loss.item()})
     return loss, metrics
 

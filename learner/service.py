@@ -20,23 +20,30 @@ from infra.kafka import Publisher
 from infra.objectstore import ObjectStore
 from infra.settings import Settings
 from learner import checkpoint_store
-from learner.checkpoint_files import file_entries, read_checkpoint, write_checkpoint
-from learner.faults import fault_point
-from learner.model import build_policy
-from learner.settings import LearnerSettings
-from learner.update import TrainConfig, Trainer
+from learner.checkpoint_files import file_entries, load_model_tensors, read_checkpoint, write_checkpoint
+from infra.faults import fault_point
+from learner.model import build_policy, frozen_reference
+from learner.settings import LearnerSettings, shaping_args
+from learner.update import Lineage, TrainConfig, Trainer
 from schemas.codec import codec
-from schemas.manifests import CheckpointManifest
+from schemas.manifests import LEARNER_FINISHED_LINE, CheckpointManifest
 from schemas.records import PipelineMetric
 
+STALE_UNFETCHED = "stale: not fetched (every turn of its batch was over --max-policy-lag versions behind)"
 KEEP_IDS = 1000  # batch ids carried from checkpoint to checkpoint (plus the newest per source partition)
 
 
 def train_config(s: LearnerSettings, algorithm: str) -> TrainConfig:
-    return TrainConfig(algorithm=algorithm, lr=s.lr, grad_accum=s.grad_accum, clip_eps=s.clip_eps,
-                       kl_coef=s.kl_coef, temperature=s.temperature if algorithm in ("grpo", "ppo") else 1.0,
+    rl = algorithm in ("grpo", "ppo")
+    lr = s.sft_lr if algorithm == "sft" and s.sft_lr is not None else s.lr
+    return TrainConfig(algorithm=algorithm, lr=lr, grad_accum=s.grad_accum, clip_eps=s.clip_eps,
+                       dual_clip=s.dual_clip, kl_coef=s.kl_coef if rl else 0.0,
+                       temperature=s.temperature if rl else 1.0,
                        max_policy_lag=s.max_policy_lag, lag_mode=s.lag_mode if algorithm in ("grpo", "ppo") else "drop",
-                       max_len=s.max_len, grad_checkpointing=s.grad_checkpointing, seed=s.seed)
+                       max_len=s.max_len, grad_checkpointing=s.grad_checkpointing, seed=s.seed,
+                       weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm, clip_eps_high=s.clip_eps_high,
+                       beta=s.beta, loss_agg=s.loss_agg, lag_decay=s.lag_decay, sft_min_reward=s.sft_min_reward,
+                       cpu_bf16=s.cpu_bf16)
 
 
 def model_from_config(config: dict[str, Any]) -> Any:
@@ -70,34 +77,82 @@ class LearnerService:
         self.reader = BatchReader(platform, settings.ns, settings.group, ShardCache(settings.cache_dir, settings.cache_bytes),
                                   prefetch=settings.prefetch, store=self.store)
         torch.manual_seed(settings.seed)
-        self.model = build_policy(settings.model_dir, layers=settings.layers, width=settings.width, seed=settings.seed)
+        self.device = torch.device(settings.device if settings.device != "auto" else
+                                   "cuda" if torch.cuda.is_available() else "cpu")
+        model: Any = build_policy(settings.model_dir, layers=settings.layers, width=settings.width, seed=settings.seed)
+        self.model = model.to(self.device)
         self.version = 0
         self.updates = 0
         self.trained_ids: list[str] = []
         self.pending_ids: list[str] = []
-        self.trainer = Trainer(self.model, train_config(settings, self.phase_algorithm(0)))
+        self.skipped: dict[str, str] = {}  # batch id -> why it trained nothing, since the last checkpoint
+        self.untrained: dict[str, str] = {}  # trajectory id -> why it did not train, since the last checkpoint
+        self.reference: Any = None  # the KL / DPO anchor: checkpoint v{reference_version}, never the restored policy
+        # Whose versions the data's turns count in: set from the store in resume() (a run started with --init)
+        self.lineage = Lineage(run=settings.ns, replicates=settings.replica_of)
+        self.trainer = self.make_trainer(self.phase_algorithm(0))
         self.timing = {"wait_s": 0.0, "compute_s": 0.0, "checkpoint_s": 0.0}
         self._stop = False
 
     def phase_algorithm(self, updates: int) -> str:
         return "sft" if updates < self.s.sft_updates else self.s.algorithm
 
+    def make_trainer(self, algorithm: str) -> Trainer:
+        config = train_config(self.s, algorithm)
+        return Trainer(self.model, config, reference=self.reference_model() if config.needs_reference else None,
+                       lineage=self.lineage)
+
+    def reference_model(self) -> Any:
+        """Checkpoint v{reference_version} as stored, loaded once: the same anchor before and after a restart."""
+        if self.reference is None:
+            if self.s.reference_version == 0 and self.version == 0 and self.updates == 0:
+                self.reference = frozen_reference(self.model)  # fresh: the initial weights are v0
+            else:
+                loaded = checkpoint_store.load_version(self.store, self.s.ns, self.s.reference_version)
+                state = read_checkpoint(loaded.files)
+                stored = model_from_config(state.model_config)
+                load_model_tensors(stored, state.model)
+                self.reference = frozen_reference(stored.to(self.device))
+            print(f"KL/DPO reference: v{self.s.reference_version}", file=sys.stderr, flush=True)
+        return self.reference
+
     # ---- resume --------------------------------------------------------------------------------
     def resume(self) -> str:
         loaded = checkpoint_store.newest(self.platform, self.topics, self.store, run=self.s.ns)
         if loaded is None:
+            how = self.start_from_init() if self.s.init_from else "the initial weights"
             self.checkpoint(initial=True)
-            return "fresh: published the initial weights as v0"
+            self.follow_lineage()
+            return f"fresh: published {how} as v0"
         state = read_checkpoint(loaded.files)
         self.updates = int(state.trainer.get("updates", 0))
-        self.model = model_from_config(state.model_config)
-        self.trainer = Trainer(self.model, train_config(self.s, self.phase_algorithm(self.updates)))
-        self.trainer.load_checkpoint_state(state.model, state.optimizer, state.trainer)
+        self.model = model_from_config(state.model_config).to(self.device)
         self.version = loaded.manifest.version
+        self.trainer = self.make_trainer(self.phase_algorithm(self.updates))
+        self.trainer.load_checkpoint_state(state.model, state.optimizer, state.trainer)
         self.trained_ids = list(state.trainer.get("trained_batch_ids", []))
         self.reader.seek(loaded.manifest.offsets)
         self.reader.mark_seen(self.trained_ids)
+        self.follow_lineage()
         return f"resumed v{self.version} after {self.updates} updates, at offsets {loaded.manifest.offsets}"
+
+    def start_from_init(self) -> str:
+        """--init RUN:vK: that checkpoint's weights (verified) become this run's v0, with a fresh optimizer."""
+        run, version = self.s.init_from or ("", 0)
+        state = read_checkpoint(checkpoint_store.load_version(self.store, run, version).files)
+        self.model = model_from_config(state.model_config).to(self.device)
+        load_model_tensors(self.model, state.model)
+        self.reference = None  # the anchor is v0: these weights, not the ones built before
+        self.trainer = self.make_trainer(self.phase_algorithm(0))
+        return f"the weights of {run}:v{version}"
+
+    def follow_lineage(self) -> None:
+        """The runs this one descends from, as its v0 recorded them: a restart needs no --init to keep them."""
+        self.lineage = Lineage(self.s.ns, self.s.replica_of, tuple(checkpoint_store.ancestors(self.store, self.s.ns)))
+        self.trainer.lineage = self.lineage
+        if self.lineage.ancestors:
+            print("lineage: " + " <- ".join([f"{self.s.ns}:v0", *(f"{r}:v{v}" for r, v in self.lineage.ancestors)]),
+                  file=sys.stderr, flush=True)
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def checkpoint(self, initial: bool = False) -> None:
@@ -107,46 +162,96 @@ class LearnerService:
         offsets = self.reader.positions()
         self.trained_ids = carried_ids(self.trained_ids, self.pending_ids)
         state = self.trainer.state_dict_for_checkpoint()
-        state.trainer.update(updates=self.updates, version=self.version, trained_batch_ids=self.trained_ids)
+        state.trainer.update(updates=self.updates, version=self.version, trained_batch_ids=self.trained_ids,
+                             learner_args=shaping_args(self.s))
         files = write_checkpoint(state)
         manifest = CheckpointManifest(
             run=self.s.ns, version=self.version, step=self.updates, algorithm=self.trainer.config.algorithm,
-            files=file_entries(files), offsets=offsets, batch_ids=list(self.pending_ids),
-            model_config=state.model_config, created_ts=int(time.time() * 1000))
+            files=file_entries(files), offsets=offsets, batch_ids=[b for b in self.pending_ids if b not in self.skipped],
+            model_config=state.model_config, created_ts=int(time.time() * 1000), skipped_batches=dict(self.skipped),
+            base_model=self.s.model_dir or "", untrained=dict(self.untrained),
+            init_from=f"{self.s.init_from[0]}:v{self.s.init_from[1]}" if self.s.init_from and initial else "",
+            read_order=list(self.pending_ids))
         key, sha = checkpoint_store.store_files(self.store, self.s.ns, self.version, files, manifest)
         fault_point("after_save")
         checkpoint_store.announce(self.publisher, self.topics, self.store, manifest, key, sha)
         fault_point("after_publish")
         if offsets:
             self.reader.commit(offsets)
+        self.let_go()
         self.pending_ids = []
-        self.reader.set_policy_version(self.version)
+        self.skipped = {}
+        self.untrained = {}
+        if not self.lineage.ancestors:  # the reader's test counts in this run's versions only
+            self.reader.set_policy_version(self.version)
         self.timing["checkpoint_s"] += time.monotonic() - started
         print(f"checkpoint v{self.version} stored, announced, offsets committed ({len(manifest.batch_ids)} batches)",
               file=sys.stderr, flush=True)
+
+    def let_go(self) -> None:
+        """Retention (--keep-last, --keep-every): the version that just left the last K loses its files."""
+        old = checkpoint_store.prunable(self.version, self.s.keep_last, self.s.keep_every, {0, self.s.reference_version})
+        if old is not None:
+            freed = checkpoint_store.prune(self.store, self.s.ns, old)
+            print(f"retention: v{old}'s files deleted ({freed / 1e6:.0f} MB), its manifest kept", file=sys.stderr, flush=True)
 
     # ---- updates -------------------------------------------------------------------------------
     def maybe_switch_phase(self) -> None:
         algorithm = self.phase_algorithm(self.updates)
         if algorithm != self.trainer.config.algorithm:
-            optimizer_state = self.trainer.optimizer.state_dict()
-            step = self.trainer.step_count
-            self.trainer = Trainer(self.model, train_config(self.s, algorithm))
-            self.trainer.optimizer.load_state_dict(optimizer_state)
-            self.trainer.step_count = step
+            previous = self.trainer
+            self.trainer = self.make_trainer(algorithm)
+            self.trainer.load_optimizer_state(previous.optimizer.state_dict())  # see Trainer.load_optimizer_state
+            self.trainer.step_count = previous.step_count
             print(f"switching to {algorithm} after {self.updates} updates", file=sys.stderr, flush=True)
 
-    def update(self, batch: LoadedBatch) -> dict[str, float]:
+    def checkpoint_due(self) -> bool:
+        """Every --updates-per-checkpoint updates; during SFT every --sft-updates-per-checkpoint, since no
+        rollout worker waits for those versions; and always at the end of the SFT phase."""
+        if self.updates == self.s.sft_updates:
+            return True
+        every = self.s.sft_updates_per_checkpoint if self.updates < self.s.sft_updates else self.s.updates_per_checkpoint
+        return self.updates % (every or self.s.updates_per_checkpoint) == 0
+
+    def batches_per_update(self) -> int:
+        """Shards merged into one update: 1 while imitating, --rl-batches-per-update for policy gradients
+        (their estimate is noisy; more groups per step is what made RL raise held-out success here)."""
+        return 1 if self.phase_algorithm(self.updates) == "sft" else self.s.rl_batches_per_update
+
+    def update(self, batches: list[LoadedBatch]) -> dict[str, float]:
         self.maybe_switch_phase()
         started = time.monotonic()
-        metrics = self.trainer.step(list(batch.trajectories), current_version=self.version)
+        trajectories = [t for batch in batches for t in batch.trajectories]
+        metrics = self.trainer.step(trajectories, current_version=self.version)
         fault_point("mid_update")
         self.timing["compute_s"] += time.monotonic() - started
-        self.updates += 1
-        self.pending_ids.append(batch.manifest.batch_id)
-        metrics.update({"time/wait_data_s": batch.wait_s, "time/compute_s": time.monotonic() - started,
+        ids = [batch.manifest.batch_id for batch in batches]
+        self.pending_ids += ids  # consumed either way: committed with the next checkpoint
+        # Per batch, why none of it trained when that is so regardless of the update: its shard, or staleness.
+        unfetched = {b.manifest.batch_id: b.problem or STALE_UNFETCHED for b in batches if b.problem or b.stale}
+        updated = bool(metrics.get("train/updated", 0.0))
+        if updated:
+            self.updates += 1
+            self.skipped.update(unfetched)
+            self.untrained.update(self.trainer.last_dropped)
+        else:
+            self.skipped.update({b: unfetched.get(b) or skip_reason(metrics) for b in ids})
+        for batch in batches:
+            batch_id = batch.manifest.batch_id
+            if batch_id in unfetched or not updated:
+                why = unfetched.get(batch_id) or f"its batch trained nothing: {self.skipped[batch_id]}"
+                self.untrained.update(dict.fromkeys(batch.manifest.trajectory_ids, why))
+        metrics.update({"time/wait_data_s": sum(b.wait_s for b in batches), "time/compute_s": time.monotonic() - started,
                         "train/version": float(self.version)})
         return metrics
+
+    def train_on(self, batches: list[LoadedBatch]) -> None:
+        metrics = self.update(batches)
+        self.publish_metrics(metrics)
+        self.progress(metrics, batches[0].manifest.batch_id)
+        if metrics.get("train/updated") and self.checkpoint_due():
+            self.checkpoint()
+        self.maybe_switch_phase()  # announce the next phase now: a demo starts its rollout workers on it
 
     def publish_metrics(self, metrics: dict[str, float]) -> None:
         now = int(time.time() * 1000)
@@ -158,8 +263,12 @@ class LearnerService:
                 self.publisher.send(self.topics.metrics, name.encode(), codec.encode(metric))
         self.publisher.poll(0)
 
-    def progress(self, metrics: dict[str, float]) -> None:
+    def progress(self, metrics: dict[str, float], batch_id: str) -> None:
         total = f"/{self.s.max_updates}" if self.s.max_updates else ""
+        if batch_id in self.skipped:
+            print(f"batch {batch_id} skipped [{self.trainer.config.algorithm}] v{self.version}: "
+                  f"{self.skipped[batch_id]}", file=sys.stderr, flush=True)
+            return
         share = self.timing["wait_s"] / max(1e-9, self.timing["wait_s"] + self.timing["compute_s"])
         print(f"update {self.updates}{total} [{self.trainer.config.algorithm}] v{self.version} "
               f"loss {metrics.get('loss/total', float('nan')):.4f} reward {metrics.get('rollout/reward_mean', 0):.3f} "
@@ -180,6 +289,7 @@ class LearnerService:
         signal.signal(signal.SIGINT, self.request_stop)
         print(self.resume(), file=sys.stderr, flush=True)
         idle_since = time.monotonic()
+        gathered: list[LoadedBatch] = []
         try:
             while not self.done(idle_since):
                 waited = time.monotonic()
@@ -188,13 +298,17 @@ class LearnerService:
                 if batch is None:
                     continue
                 idle_since = time.monotonic()
-                metrics = self.update(batch)
-                self.publish_metrics(metrics)
-                self.progress(metrics)
-                if self.updates % self.s.updates_per_checkpoint == 0:
-                    self.checkpoint()
-            if self.pending_ids:
+                gathered.append(batch)
+                if len(gathered) >= self.batches_per_update():
+                    self.train_on(gathered)
+                    gathered = []
+            if gathered:
+                self.train_on(gathered)  # read means consumed: a stop mid-gathering still trains them once
+            if any(b not in self.skipped for b in self.pending_ids):
                 self.checkpoint()  # a clean stop keeps every trained batch
+            if self.s.max_updates is not None and self.updates >= self.s.max_updates:
+                print(f"{LEARNER_FINISHED_LINE} {self.s.max_updates} at v{self.version}", file=sys.stderr,
+                      flush=True)
         finally:
             self.reader.close()
             self.publisher.close()
@@ -203,6 +317,15 @@ class LearnerService:
     def report(self) -> dict[str, Any]:
         return {"version": self.version, "updates": self.updates, **{k: round(v, 2) for k, v in self.timing.items()},
                 "reader": self.reader.metrics()}
+
+
+def skip_reason(metrics: dict[str, float]) -> str:
+    """Why an update trained nothing, from its counters: e.g. "no trainable tokens (stale/dropped=64)"."""
+    if metrics.get("train/nonfinite_grad"):
+        return "non-finite gradient"
+    counted = [f"{k}={v:.0f}" for k, v in sorted(metrics.items())
+               if v and k.startswith(("skipped/", "stale/dropped"))]
+    return f"no trainable tokens ({', '.join(counted) or 'empty batch'})"
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -79,6 +79,8 @@ class CheckpointFollower:
         self.latest_published = 0
         self.latest_announced = 0
         self.refused: list[str] = []
+        # Set once every announcement that existed at start has been read: "the newest" is known from then on.
+        self.caught_up = threading.Event()
         self._ready: Optional[VerifiedCheckpoint] = None
         self._taken = -1  # no checkpoint taken yet: even v0 (the learner's initial weights) is news
         self._lock = threading.Lock()
@@ -102,19 +104,33 @@ class CheckpointFollower:
     def _loop(self) -> None:
         c = consumer(self.settings, f"{self.topics.ns}-follower-{uuid.uuid4().hex[:8]}")
         c.assign([TopicPartition(self.topics.checkpoints, 0, 0)])  # compacted: replay it all from the start
+        end = self._end_offset(c)
         try:
             while not self._stop.is_set():
                 msg = c.poll(0.5)
                 if msg is not None and not msg.error():
                     self.handle(msg.value() or b"")
+                    offset = msg.offset()
+                    end = end if end is None or offset is None or offset + 1 < end else 0
+                if end == 0 or (end is None and msg is None):
+                    self.caught_up.set()
         finally:
             c.close()
+
+    def _end_offset(self, c: Any) -> Optional[int]:
+        """The end of the topic at start (0 when empty), or None when the broker cannot say yet."""
+        try:
+            _, high = c.get_watermark_offsets(TopicPartition(self.topics.checkpoints, 0), timeout=10)
+            return int(high)
+        except Exception as exc:  # a broker still starting: fall back to "a poll that found nothing"
+            log.warning("checkpoint topic end unknown (%s); caught up once a poll finds nothing", exc)
+            return None
 
     def handle(self, value: bytes) -> None:
         try:
             event = codec.decode(value, expect=CheckpointPublished)
         except DecodeError as exc:
-            self._refuse(f"undecodable checkpoint announcement: {exc}")
+            self.refuse(f"undecodable checkpoint announcement: {exc}")
             return
         if event.run != self.run or event.version <= max(self._taken, self._ready.version if self._ready else -1):
             return
@@ -122,7 +138,7 @@ class CheckpointFollower:
         try:
             verified = fetch_verified(self.store, event)
         except CheckpointError as exc:
-            self._refuse(str(exc))
+            self.refuse(str(exc))
             return
         with self._lock:
             self._ready = verified
@@ -130,6 +146,7 @@ class CheckpointFollower:
             self.latest_published = max(self.latest_published, event.version)
         log.info("checkpoint v%d verified and ready", event.version)
 
-    def _refuse(self, reason: str) -> None:
+    def refuse(self, reason: str) -> None:
+        """Count and log a checkpoint this worker will not use (the reason is in its report)."""
         self.refused.append(reason)
         log.error("%s", reason)

@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
+from infra.faults import fault_point
 from producers.policy.interface import Generation, PolicyBackend, Sampling
+from producers.sandbox.tools import ToolResult
 from producers.settings import WorkerSettings
+from producers.tasks.environments import feedback as environment_feedback
 from producers.tasks.task import Task
+from schemas import environments
 from schemas.keys import new_event_id
 from schemas.packing import pack_floats, pack_ids
 from schemas.records import Body, EpisodeEnded, EpisodeStarted, PolicyTurn, RolloutEvent, SandboxResult
+from schemas.toolcalls import ToolCall, ToolCallError, parse_call
 
 FEEDBACK_CHARS = 400  # error text fed back to the policy on a failed code turn
 
@@ -24,6 +29,10 @@ class CodeRunner(Protocol):
 
     def run_many(self, jobs: Sequence[tuple[str, str, str]]) -> list[SandboxResult]:
         """(solution_code, test_code, entry_point) per job -> one result each, in order (turn set by caller)."""
+        ...
+
+    def run_tools(self, jobs: Sequence[tuple[Mapping[str, str], ToolCall, Mapping[str, Any]]]) -> list[ToolResult]:
+        """(repository, call, task spec) per job -> one result each, in order."""
         ...
 
 
@@ -38,6 +47,7 @@ class Episode:
     status: Optional[str] = None  # set when ended
     detail: str = ""
     last: Optional[Generation] = None
+    files: Optional[dict[str, str]] = None  # terminal: the repository as the last tool call left it
 
 
 @dataclass
@@ -67,8 +77,8 @@ class EpisodeRunner:
 
     def __init__(self, backend: PolicyBackend, code_runner: CodeRunner, emit: Callable[[RolloutEvent], None],
                  settings: WorkerSettings, should_stop: Callable[[], bool] = lambda: False,
-                 max_context: int = 2048) -> None:
-        self.backend, self.code_runner, self.emit = backend, code_runner, emit
+                 max_context: int = 2048, flush: Callable[[], None] = lambda: None) -> None:
+        self.backend, self.code_runner, self.emit, self.flush = backend, code_runner, emit, flush
         self.settings, self.should_stop, self.max_context = settings, should_stop, max_context
 
     # ---- events --------------------------------------------------------------------------------
@@ -90,7 +100,7 @@ class EpisodeRunner:
         episodes = []
         for task in tasks:
             group_id = "grp-" + new_event_id()
-            prompt = self.backend.tokenizer.encode(task.prompt)
+            prompt = self.backend.tokenizer.prompt(task.prompt)
             if len(prompt) + self.settings.max_new_tokens > self.max_context:
                 summary.skipped_too_long += 1  # never started: no episode, nothing to account for
                 continue
@@ -104,7 +114,10 @@ class EpisodeRunner:
         return episodes
 
     def max_turns(self, task: Task) -> int:
-        return min(task.max_turns, self.settings.max_turns) if task.domain == "code" else 1
+        if task.domain == "terminal":  # the task's step limit
+            return task.max_turns
+        multi = task.domain == "code" or environments.name_of(task.domain) is not None
+        return min(task.max_turns, self.settings.max_turns) if multi else 1
 
     def sampling(self) -> Sampling:
         return Sampling(temperature=self.settings.temperature, max_new_tokens=self.settings.max_new_tokens)
@@ -125,11 +138,12 @@ class EpisodeRunner:
             summary.turns += 1
 
     def record_turn(self, ep: Episode, obs_text: str, obs_tokens: list[int]) -> None:
-        gen = ep.last
+        gen, sampling = ep.last, self.sampling()
         assert gen is not None
         self._event(ep, PolicyTurn(turn=ep.turn, obs_text=obs_text, obs_tokens=pack_ids(obs_tokens), text=gen.text,
                                    tokens=pack_ids(gen.tokens), logprobs=pack_floats(gen.logprobs),
-                                   finish_reason=gen.finish_reason))
+                                   finish_reason=gen.finish_reason, temperature=sampling.temperature,
+                                   top_p=sampling.top_p))
 
     def execute(self, live: list[Episode], summary: StepSummary) -> list[SandboxResult]:
         started = time.perf_counter()
@@ -144,6 +158,7 @@ class EpisodeRunner:
         episodes = self.start(tasks, summary)
         if not episodes:
             return summary
+        fault_point("mid_episode", before=self.flush)
         live = list(episodes)
         obs: dict[str, tuple[str, list[int]]] = {}
         first = True
@@ -160,22 +175,38 @@ class EpisodeRunner:
 
     def after_turn(self, live: list[Episode], obs: dict[str, tuple[str, list[int]]],
                    summary: StepSummary) -> list[Episode]:
-        """Execute code, end what is done, queue feedback for what goes on; returns the episodes still live."""
+        """Execute code and tool calls, end what is done, queue the observation of what goes on; returns the
+        episodes still live."""
         code = [ep for ep in live if ep.task.domain == "code"]
         results = dict(zip((ep.episode_id for ep in code), self.execute(code, summary))) if code else {}
+        tools = self.use_tools([ep for ep in live if ep.task.domain == "terminal"], summary)
         still: list[Episode] = []
         for ep in live:
             result = results.get(ep.episode_id)
             if result is not None:
                 result = SandboxResult(**{**result.__dict__, "turn": ep.turn})
                 self._event(ep, result)
+            tool = tools.get(ep.episode_id)
+            if isinstance(tool, ToolResult):
+                self._event(ep, SandboxResult(turn=ep.turn, outcome=tool.outcome, tests_passed=tool.tests_passed,
+                                              tests_total=tool.tests_total, stdout="", stderr=tool.observation,
+                                              duration_ms=tool.duration_ms, backend=tool.backend))
+                ep.files = tool.files
             ep.turn += 1
-            verdict = self.verdict(ep, result)
-            if verdict is not None:
-                self._end(ep, *verdict)
+            if ep.task.domain == "terminal":
+                step = self.terminal_step(ep, tool)
+            elif environments.name_of(ep.task.domain) is not None:
+                step = self.environment_step(ep)
+            else:
+                verdict = self.verdict(ep, result)  # None only after a run that failed: try again
+                if verdict is None and result is not None:
+                    step = feedback_text(ep.task, result)
+                else:
+                    step = verdict or ("completed", "")
+            if isinstance(step, tuple):
+                self._end(ep, *step)
                 continue
-            assert result is not None
-            text = feedback_text(ep.task, result)
+            text = step
             tokens = self.backend.tokenizer.encode(text)
             if len(ep.context) + len(tokens) + self.settings.max_new_tokens > self.max_context:
                 self._end(ep, "truncated", "context length")
@@ -184,6 +215,54 @@ class EpisodeRunner:
             obs[ep.episode_id] = (text, tokens)
             still.append(ep)
         return still
+
+    def use_tools(self, live: list[Episode], summary: StepSummary) -> dict[str, ToolResult | str]:
+        """Each terminal episode's tool call on its repository; a turn that is no tool call gets the reason."""
+        done: dict[str, ToolResult | str] = {}
+        jobs, owners = [], []
+        for ep in live:
+            try:
+                call = parse_call(ep.last.text if ep.last else "")
+            except ToolCallError as exc:
+                done[ep.episode_id] = str(exc)
+                continue
+            if ep.files is None:
+                ep.files = dict(ep.task.spec["files"])
+            jobs.append((ep.files, call, ep.task.spec))
+            owners.append(ep.episode_id)
+        if jobs:
+            started = time.perf_counter()
+            done.update(zip(owners, self.code_runner.run_tools(jobs)))
+            summary.sandbox_s += time.perf_counter() - started
+        return done
+
+    def terminal_step(self, ep: Episode, tool: ToolResult | str | None) -> tuple[str, str] | str:
+        """(status, detail) when the episode ends, else the observation the policy reads next."""
+        if isinstance(tool, ToolResult):
+            if tool.outcome == "infra_error":
+                return "error", f"sandbox infra error: {tool.observation[:200]}"
+            if tool.done:
+                return "completed", "submitted"
+            observation = tool.observation
+        else:
+            observation = f"tool error: {tool}"
+        if ep.turn >= self.max_turns(ep.task):
+            return "truncated", f"step limit ({ep.turn} steps) without submit"
+        if self.should_stop():
+            return "aborted", "worker stopping"
+        return f"\n{observation}\n"
+
+    def environment_step(self, ep: Episode) -> tuple[str, str] | str:
+        """An installed environment decides whether its episode goes on, and with what observation."""
+        try:
+            observation = environment_feedback(ep.task, ep.last.text if ep.last else "") \
+                if ep.turn < self.max_turns(ep.task) and not self.should_stop() else None
+        except Exception as exc:  # an installed package's code: its failure ends this episode only
+            return "error", f"environment feedback failed: {exc!r}"[:300]
+        if observation is None:
+            truncated = ep.last is not None and ep.last.finish_reason == "length"
+            return ("truncated", "max_new_tokens") if truncated else ("completed", "")
+        return observation
 
     def verdict(self, ep: Episode, result: Optional[SandboxResult]) -> Optional[tuple[str, str]]:
         """(status, detail) when the episode ends after this turn, None when it gets another turn."""

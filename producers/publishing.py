@@ -28,5 +28,8 @@ class EventSink:
         s = self.publisher.stats
         return {"sent": s.sent, "delivered": s.delivered, "failed": s.failed, "pending": s.pending}
 
+    def flush(self) -> None:
+        self.publisher.flush(timeout=600)
+
     def close(self) -> None:
         self.publisher.close(timeout=600)

@@ -6,6 +6,8 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from infra.models import resolve_model
+from infra.settings import add_ns_argument
 from schemas.errors import ConfigError
 from schemas.topics import Topics
 
@@ -35,6 +37,8 @@ class WorkerSettings:
     split: str = "train"  # train | heldout | all: held-out tasks are for evaluation only
     init_checkpoint: str | None = None  # "NS:VERSION" or "NS:latest": start from that published checkpoint
     layers: int = 4  # size of the small model when no --model-dir is given
+    own_weights: bool = False  # generate with the worker's own init (data-path tests): no checkpoint names them
+    demonstrations: int = 0  # publish this many demonstration episodes (gold completions), then exit
     width: int = 256
 
     def __post_init__(self) -> None:
@@ -46,11 +50,16 @@ class WorkerSettings:
             (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
             (self.max_policy_lag >= 0, f"--max-policy-lag must be >= 0, got {self.max_policy_lag}"),
             (self.sandbox_workers >= 1, f"--sandbox-workers must be >= 1, got {self.sandbox_workers}"),
-            (self.temperature > 0, "--temperature must be > 0 for RL: a greedy policy gives a group no variance"),
+            (self.temperature > 0 or not self.follow_checkpoints,
+             "--temperature must be > 0 for RL (a greedy policy gives a group no variance); 0 is for evaluation "
+             "with --no-follow"),
             (self.episodes is None or self.episodes >= 1, "--episodes must be >= 1 (or omit it to run forever)"),
             (self.backend != "vllm" or self.model_dir is not None, "--backend vllm needs --model-dir DIR"),
             (self.max_episodes_per_version is None or self.max_episodes_per_version >= self.group_size,
              "--max-episodes-per-version must be at least --group-size"),
+            (not (self.own_weights and self.follow_checkpoints),
+             "--own-weights is for a worker that does not follow checkpoints: add --no-follow"),
+            (self.demonstrations >= 0, f"--demonstrations must be >= 0, got {self.demonstrations}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -75,11 +84,16 @@ def parse_weights(text: str) -> dict[str, float]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m producers", description="A rollout worker: tasks -> policy -> sandbox -> events.")
-    p.add_argument("--ns", default=os.environ.get("TRAJPIPE_NS"), help="run namespace (topics <ns>.*)")
+    add_ns_argument(p)
     p.add_argument("--producer-id", default=f"{socket.gethostname()}-{os.getpid()}")
     p.add_argument("--backend", default="transformers", choices=["transformers", "vllm"])
-    p.add_argument("--model-dir", default=None, help="a local Hugging Face checkpoint dir (default: the small model)")
-    p.add_argument("--sources", default="math-easy", help="comma-separated: humaneval, math, math-easy, table")
+    p.add_argument("--model-dir", "--model", dest="model_dir", default=None,
+                   help="a local Hugging Face checkpoint dir, or a converted pretrained model by name "
+                        "(smollm2-135m); default: the small model")
+    p.add_argument("--sources", default="math-easy",
+                   help="comma-separated: add, humaneval, math, math-easy, reverse, table, rg:<dataset> (a reasoning-gym "
+                        "dataset), rg:* (every one that verifies), env:<name> (an installed environment), env:* "
+                        "(every installed one)")
     p.add_argument("--weights", default="", help="sampling weights per source or domain, e.g. code=1,math=3")
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--prompts-per-step", type=int, default=4)
@@ -102,6 +116,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--init-checkpoint", default=None, help="NS:VERSION or NS:latest, loaded and verified at start")
     p.add_argument("--layers", type=int, default=4, help="layers of the small model (without --model-dir)")
     p.add_argument("--width", type=int, default=256, help="width of the small model (without --model-dir)")
+    p.add_argument("--own-weights", action="store_true",
+                   help="with --no-follow: generate with this worker's own initial weights (data-path tests only; "
+                        "no checkpoint names them, so nothing should train on the result)")
+    p.add_argument("--demonstrations", type=int, default=0,
+                   help="publish N demonstration episodes (the tasks' gold completions, for SFT), then exit")
     return p
 
 
@@ -110,7 +129,8 @@ def from_args(argv: list[str] | None = None) -> WorkerSettings:
     if not args.ns:
         raise ConfigError("--ns is required (or set TRAJPIPE_NS)")
     return WorkerSettings(
-        ns=args.ns, producer_id=args.producer_id, backend=args.backend, model_dir=args.model_dir,
+        ns=args.ns, producer_id=args.producer_id, backend=args.backend,
+        model_dir=resolve_model(args.model_dir) if args.model_dir else None,
         sources=tuple(s.strip() for s in args.sources.split(",") if s.strip()), weights=parse_weights(args.weights),
         group_size=args.group_size, prompts_per_step=args.prompts_per_step, max_turns=args.max_turns,
         temperature=args.temperature, max_new_tokens=args.max_new_tokens, max_policy_lag=args.max_policy_lag,
@@ -118,4 +138,5 @@ def from_args(argv: list[str] | None = None) -> WorkerSettings:
         follow_checkpoints=not args.no_follow, curriculum_min_attempts=args.curriculum,
         max_episodes_per_version=args.max_episodes_per_version, quota_wait_s=args.quota_wait_s,
         split=args.split, init_checkpoint=args.init_checkpoint, layers=args.layers, width=args.width,
+        own_weights=args.own_weights, demonstrations=args.demonstrations,
     )

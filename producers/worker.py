@@ -8,24 +8,30 @@ import json
 import logging
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from infra.kafka import Publisher
+from infra.metrics import Metrics, publish
 from infra.objectstore import ObjectStore
 from infra.settings import Settings
 from producers.checkpoints import CheckpointFollower, fetch_verified, find_announcement
+from producers.demonstrations import publish_demonstrations
 from producers.episodes import EpisodeRunner, StepSummary
 from producers.feeds import TaskStatsFollower
 from producers.policy import make_backend
 from producers.policy.interface import PolicyBackend
 from producers.publishing import EventSink
-from producers.sandbox_runner import SandboxCodeRunner
+from producers.sandbox_runner import NoCodeRunner, SandboxCodeRunner
 from producers.settings import WorkerSettings
 from producers.tasks import Curriculum, TaskMixer
+from producers.tasks import environments
+from producers.tasks.reasoning_gym import expand
 from producers.tasks.sources import seeded_source
 from producers.tasks.split import SplitSource
-from schemas.errors import ConfigError
+from schemas.errors import CheckpointError, ConfigError
 from schemas.models import tiny_llama_config
 from schemas.topics import Topics
 
@@ -65,12 +71,19 @@ class RolloutWorker:
         self.store = ObjectStore(platform, retry_for_s=600.0)
         self.sink = EventSink(platform, settings.topics, self.store)
         self.backend = backend or self._backend()
-        self.code_runner = SandboxCodeRunner(settings.sandbox, settings.sandbox_workers)
         self.mixer = self._mixer()
+        # Its own producer: the event sink's delivery counts stay counts of events.
+        self.metrics, self.metrics_out = Metrics("rollout"), Publisher(platform)
+        self.window_start = int(time.time() * 1000)
+        # Only code tasks run model-written code: a worker of other domains needs no sandbox (and the
+        # sandbox refuses to start without isolation, see producers.sandbox.selection).
+        needs_sandbox = any(source.domain in ("code", "terminal") for source in self.mixer.sources)
+        self.code_runner = (SandboxCodeRunner(settings.sandbox, settings.sandbox_workers) if needs_sandbox
+                            else NoCodeRunner())
         self.follower = CheckpointFollower(platform, settings.topics, self.store)
         self.task_feed = TaskStatsFollower(platform, settings.topics, self.mixer.stats)
         self.runner = EpisodeRunner(self.backend, self.code_runner, self.sink.emit, settings, self.stopping,
-                                    max_context=context_limit(self.backend))
+                                    max_context=context_limit(self.backend), flush=self.sink.flush)
         self.stats = WorkerStats()
         self.episodes_this_version = 0
         self._stop = False
@@ -85,8 +98,9 @@ class RolloutWorker:
 
     def _mixer(self) -> TaskMixer:
         s = self.settings
-        sources = [SplitSource(seeded_source(name, s.seed), s.split) for name in s.sources]
-        curriculum = Curriculum(s.curriculum_min_attempts) if s.curriculum_min_attempts else None
+        sources = [SplitSource(seeded_source(name, s.seed), s.split) for name in environments.expand(expand(list(s.sources)))]
+        curriculum = Curriculum(s.curriculum_min_attempts, 4 * s.curriculum_min_attempts) \
+            if s.curriculum_min_attempts else None
         return TaskMixer(sources, s.weights or None, seed=s.seed, curriculum=curriculum)
 
     def load_initial(self, platform: Settings, spec: str) -> None:
@@ -105,11 +119,34 @@ class RolloutWorker:
     def request_stop(self, *_: Any) -> None:
         self._stop = True
 
+    def wait_for_published_weights(self) -> None:
+        """Generate only with weights a checkpoint names: the newest announced one, v0 from a fresh learner.
+
+        The worker's own initial weights are no version at all: rollouts made with them and stamped v0
+        would carry log-probs of another network than the learner's v0, and wrong importance ratios.
+        """
+        started, said = time.monotonic(), 0.0
+        while not self._stop and not (self.stats.versions_loaded and self.follower.caught_up.is_set()):
+            if self.follower.caught_up.is_set():
+                self.maybe_load_checkpoint()
+            if time.monotonic() - said >= 10:
+                said = time.monotonic()
+                print(f"[{self.settings.producer_id}] waiting for a published checkpoint on "
+                      f"{self.settings.topics.checkpoints} (a learner publishes v0 when it starts; "
+                      f"{len(self.follower.refused)} refused so far)", file=sys.stderr, flush=True)
+            time.sleep(0.2)
+        self.stats.paused_s += time.monotonic() - started
+
     def maybe_load_checkpoint(self) -> None:
         ready = self.follower.take_ready()
         # The first checkpoint is loaded even at the same version: it replaces this worker's own init.
         if ready is not None and (ready.version > self.backend.version or not self.stats.versions_loaded):
-            self.backend.load_weights(ready.weights, ready.version)
+            try:
+                self.backend.load_weights(ready.weights, ready.version)
+            except CheckpointError as exc:  # verified, but made for another model: keep the weights it has
+                self.follower.refuse(f"checkpoint v{ready.version} verifies but does not fit this worker's model "
+                                     f"(--model/--layers/--width must match the learner's): {exc}")
+                return
             self.stats.versions_loaded.append(ready.version)
             self.episodes_this_version = 0
             print(f"[{self.settings.producer_id}] loaded policy v{ready.version}", file=sys.stderr, flush=True)
@@ -142,6 +179,7 @@ class RolloutWorker:
 
     def step(self) -> None:
         self.maybe_load_checkpoint()
+        paused = self.stats.paused_s
         if self.settings.follow_checkpoints:
             self.wait_until_fresh()
             self.wait_for_quota()
@@ -153,6 +191,23 @@ class RolloutWorker:
         self.episodes_this_version += summary.episodes
         self.stats.add(summary)
         self.progress(summary)
+        self.publish_metrics(summary, self.stats.paused_s - paused)
+
+    def publish_metrics(self, s: StepSummary, paused_s: float) -> None:
+        """The step's figures on <ns>.pipeline.metrics (source "rollout", labelled with this worker's id)."""
+        m, worker = self.metrics, self.settings.producer_id
+        for status, n in s.statuses.items():
+            m.count("rollout/episodes", n, producer=worker, status=status)
+        m.count("rollout/tokens", s.tokens, producer=worker)
+        for name, seconds in (("generate", s.generate_s), ("sandbox", s.sandbox_s), ("paused", paused_s)):
+            m.gauge(f"rollout/{name}_s", seconds, producer=worker)
+        m.gauge("rollout/tokens_per_s", s.tokens / s.generate_s if s.generate_s else 0.0, producer=worker)
+        m.gauge("rollout/policy_version", float(self.backend.version), producer=worker)
+        m.gauge("rollout/checkpoints_loaded", float(len(self.stats.versions_loaded)), producer=worker)
+        m.gauge("rollout/checkpoints_refused", float(len(self.follower.refused)), producer=worker)
+        now = int(time.time() * 1000)
+        publish(self.metrics_out, self.settings.topics.metrics, m.flush(self.window_start, now))
+        self.window_start = now
 
     def remaining_prompts(self) -> int:
         if self.settings.episodes is None:
@@ -170,11 +225,34 @@ class RolloutWorker:
               f"events {self.sink.stats['delivered']}/{self.sink.stats['sent']} delivered",
               file=sys.stderr, flush=True)
 
+    def publish_demonstrations(self) -> dict[str, Any]:
+        """The tasks' gold completions as demonstration episodes (for the SFT warm start), then done."""
+        s = self.settings
+        tasks = (self.mixer.next() for _ in range(s.demonstrations))
+        try:
+            self.stats.episodes = publish_demonstrations(tasks, self.backend.tokenizer, s.ns, s.producer_id,
+                                                         self.sink.emit)
+        finally:
+            self.sink.close()
+            self.code_runner.close()
+        print(f"[{s.producer_id}] published {self.stats.episodes} demonstrations", file=sys.stderr, flush=True)
+        return self.report()
+
     def run(self) -> dict[str, Any]:
-        signal.signal(signal.SIGTERM, self.request_stop)
-        signal.signal(signal.SIGINT, self.request_stop)
+        if self.settings.demonstrations:
+            return self.publish_demonstrations()
+        if threading.current_thread() is threading.main_thread():  # embedded in a thread, the host owns signals
+            signal.signal(signal.SIGTERM, self.request_stop)
+            signal.signal(signal.SIGINT, self.request_stop)
         if self.settings.follow_checkpoints:
             self.follower.start()
+            self.wait_for_published_weights()
+        elif not self.stats.versions_loaded and not self.settings.own_weights:
+            raise ConfigError("a worker that does not follow checkpoints needs --init-checkpoint NS:VERSION "
+                              "(or --own-weights for a data-path test that trains nothing)")
+        if self.settings.own_weights:
+            log.warning("generating with this worker's own initial weights, which no checkpoint names: "
+                        "for data-path tests only, never for training")
         if self.settings.curriculum_min_attempts:
             self.task_feed.start()
         try:
@@ -182,6 +260,7 @@ class RolloutWorker:
                 self.step()
         finally:
             self.sink.close()  # flush: every event acknowledged before exit
+            self.metrics_out.close()
             self.code_runner.close()
         return self.report()
 

@@ -72,6 +72,7 @@ REASONS = (
     "schema_mismatch",
     "missing_field",
     "unknown_domain",
+    "unknown_environment",  # domain env/<name> whose package is not installed where it is read
     "length_mismatch",
     "bad_logprob",
     "bad_step",

@@ -22,6 +22,12 @@ def archive_key(ns: str, topic: str, date: str, partition: int, first: int, last
     return f"archive/{ns}/{topic}/date={date}/p{partition:04d}/{first:020d}-{last:020d}.avro"
 
 
+def checkpoint_announcement_key(run: str, version: int) -> str:
+    """One key per version on the compacted checkpoint topic: compaction drops only a version's re-announcement,
+    never an older version (the history eval, lineage and a falling-back learner read)."""
+    return f"{run}/v{version:010d}"
+
+
 def claim_key(ns: str, episode_id: str, event_id: str) -> str:
     return f"claims/{ns}/{episode_id}/{event_id}.bin"
 

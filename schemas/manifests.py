@@ -9,6 +9,9 @@ from schemas.errors import ManifestError
 
 CHECKPOINT_FORMAT = "trajpipe.checkpoint/1"
 
+# The learner says this on stderr when it reached --max-updates: a supervisor reads it to know the run is over.
+LEARNER_FINISHED_LINE = "reached --max-updates"
+
 
 @dataclass(frozen=True)
 class FileEntry:
@@ -29,6 +32,20 @@ class CheckpointManifest:
     model_config: dict[str, Any] = field(default_factory=dict)
     created_ts: int = 0
     format: str = CHECKPOINT_FORMAT
+    # Batches consumed since the previous version that trained nothing, with the reason (all stale, ...).
+    skipped_batches: dict[str, str] = field(default_factory=dict)
+    # The local model folder the run started from ("" for the small model built from its config): a worker
+    # needs its tokenizer and architecture to load these weights.
+    base_model: str = ""
+    # Trajectories of this version's batches that did not train, and why (stale, untrainable status, an SFT
+    # batch's unsuccessful ones, every one of a skipped batch): what lineage reports as "not trained".
+    untrained: dict[str, str] = field(default_factory=dict)
+    # "RUN:vK" when this run's v0 is run RUN's checkpoint K (`python -m learner --init`): the turns of RUN's
+    # trajectories are K + |K - s| versions away from this run's v0, not s.
+    init_from: str = ""
+    # Every batch consumed since the previous version, trained or skipped, in the order the learner read
+    # them: a rebuild replays them in this order when the batches topic no longer has them.
+    read_order: list[str] = field(default_factory=list)
 
     def to_json(self) -> bytes:
         doc = asdict(self)

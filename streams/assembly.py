@@ -9,7 +9,7 @@
             trajectory = to_trajectory(state, source_topic)
 
 All pure. An episode that never ends is closed by the sweeper with `to_trajectory(state, topic, ABANDONED)`
-once `idle_ms` passes the timeout. After close the episode is remembered as a `ClosedEpisode`, which
+once it has been idle past the timeout (see streams.eventtime). After close the episode is remembered as a `ClosedEpisode`, which
 tells a late duplicate (a known event id) from a late event (dead-lettered as unknown_episode).
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ from schemas.records import (
 )
 
 ABANDONED = "abandoned"
+ERROR = "error"  # closed by the worker for a fault of its own making (too large to keep), never trained
 # Envelope fields every event of an episode must agree on.
 EPISODE_FIELDS = ("group_id", "task_id", "domain", "run")
 
@@ -49,6 +50,7 @@ class EpisodeState:
     turns: tuple[TrajectoryTurn, ...] = ()
     positions: tuple[SourcePosition, ...] = ()
     event_ids: tuple[str, ...] = ()
+    seqs: tuple[int, ...] = ()  # of the events taken, in the order taken
     # Claim-checked PolicyTurns, as logged: their payload is fetched again when the episode closes, so
     # open episodes never hold large payloads in memory.
     claims: tuple[RolloutEvent, ...] = ()
@@ -59,13 +61,19 @@ class EpisodeState:
         return self.positions[0].partition
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ClosedEpisode:
-    """What is kept of an episode after its trajectory is out: enough to recognise its duplicates."""
+    """What is kept of an episode after its trajectory is out: enough to recognise its duplicates, in
+    constant size per episode (event ids would cost ~80 bytes an event for the whole dedupe horizon).
+
+    The events taken are seqs 0..last_seq except `missing` (normally none): a later copy of one of them is a
+    duplicate; any other event of the episode came late.
+    """
 
     status: str
     closed_ts: int
-    event_ids: tuple[str, ...]
+    last_seq: int
+    missing: tuple[int, ...] = ()
     partition: int = 0
     # Wall time (monotonic) it closed on this worker; not stored: a recovered marker starts its horizon anew.
     since: float = field(default_factory=time.monotonic, compare=False)
@@ -83,7 +91,7 @@ def open_episode(event: RolloutEvent, position: SourcePosition) -> EpisodeState:
     return EpisodeState(
         episode_id=event.episode_id, group_id=event.group_id, task_id=event.task_id, domain=event.domain,
         run=event.run, started=event.body, started_ts=event.ts, last_ts=event.ts,
-        positions=(position,), event_ids=(event.event_id,),
+        positions=(position,), event_ids=(event.event_id,), seqs=(event.seq,),
     )
 
 
@@ -102,7 +110,7 @@ def fold(state: Optional[EpisodeState], event: RolloutEvent, position: SourcePos
     else:
         raise ValidationError("bad_step", f"a second EpisodeStarted for episode {state.episode_id}")
     return _evolve(state, positions=state.positions + (position,), event_ids=state.event_ids + (event.event_id,),
-                   last_ts=max(state.last_ts, event.ts))
+                   seqs=state.seqs + (event.seq,), last_ts=max(state.last_ts, event.ts))
 
 
 def _evolve(state: EpisodeState, **changes: object) -> EpisodeState:
@@ -129,7 +137,10 @@ def _add_turn(state: EpisodeState, event: RolloutEvent, body: PolicyTurn) -> Epi
         raise ValidationError("bad_step", f"turn {body.turn} but the episode allows {state.started.max_turns}")
     turn = TrajectoryTurn(turn=body.turn, policy_version=event.policy_version, obs_text=body.obs_text,
                           obs_tokens=body.obs_tokens, text=body.text, tokens=body.tokens, logprobs=body.logprobs,
-                          finish_reason=body.finish_reason)
+                          finish_reason=body.finish_reason,
+                          # Events written before turns carried it: the episode's own setting is the same fact.
+                          temperature=state.started.temperature if body.temperature is None else body.temperature,
+                          top_p=body.top_p)
     claims = state.claims + (event,) if body.claim is not None else state.claims
     return _evolve(state, turns=state.turns + (turn,), claims=claims)
 
@@ -186,17 +197,14 @@ def _position_key(p: SourcePosition) -> tuple[int, int]:
 
 
 def close(state: EpisodeState, status: str) -> ClosedEpisode:
-    return ClosedEpisode(status=status, closed_ts=state.last_ts, event_ids=state.event_ids, partition=state.partition)
+    last = max(state.seqs)
+    missing = tuple(sorted(set(range(last + 1)) - set(state.seqs))) if len(state.seqs) <= last else ()
+    return ClosedEpisode(status=status, closed_ts=state.last_ts, last_seq=last, missing=missing,
+                         partition=state.partition)
 
 
 def classify_late(closed: ClosedEpisode, event: RolloutEvent) -> None:
     """Nothing for a duplicate of an event already in the trajectory; ValidationError for a late event."""
-    if event.event_id not in closed.event_ids:
+    if event.seq > closed.last_seq or event.seq in closed.missing:
         raise ValidationError("unknown_episode", f"episode {event.episode_id} was already closed as "
                                                  f"{closed.status}; this {type(event.body).__name__} came late")
-
-
-def idle_ms(last_ts: int, watermark_ms: int, idle_wall_s: float) -> float:
-    """How long an episode has been idle: event time against its partition's watermark, or wall time
-    since the worker last saw it, whichever is longer (the log may go quiet; a replay runs fast)."""
-    return max(watermark_ms - last_ts, idle_wall_s * 1000.0)

@@ -9,7 +9,8 @@ Only trainable members (status completed or truncated, and not marked status/not
 function) enter the mean and std and go to the scored topic; abandoned, aborted and error members are
 counted and stay on <ns>.trajectories only. std is the population std of the trainable rewards;
 advantage = (r - mean) / (std + eps). A group whose trainable rewards are all equal (or that has fewer
-than two) teaches nothing: it is dropped when drop_zero_variance, else emitted with advantage 0.
+than two) teaches nothing: it is dropped when drop_zero_variance, else emitted with advantage 0; a group of
+demonstrations (gold completions for SFT, advantage 0) is always emitted.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Optional
 
 from schemas.records import TaskStats
 from streams.fastcodec import Summary
-from streams.rewards import NOT_TRAINABLE, TRAINABLE_STATUSES
+from streams.rewards import DEMONSTRATION, NOT_TRAINABLE, TRAINABLE_STATUSES
 
 # Rewards closer than this are equal: their differences are float noise, not signal.
 ZERO_VARIANCE = 1e-9
@@ -129,7 +130,9 @@ def finalize(state: GroupState, eps: float, drop_zero_variance: bool) -> GroupRe
     trainable = [m for m in members if is_trainable(m.summary)]
     mean, std, advs = advantages([m.summary.reward for m in trainable], eps)
     zero_variance = len(trainable) < 2 or std <= ZERO_VARIANCE
-    dropped = zero_variance and drop_zero_variance
+    # A demonstration teaches by imitation, not by its advantage: it is never dropped for lack of variance.
+    demonstrations = bool(trainable) and all(m.summary.reward_components.get(DEMONSTRATION) for m in trainable)
+    dropped = zero_variance and drop_zero_variance and not demonstrations
     return GroupResult(scored=[] if dropped else list(zip(trainable, advs)), trainable=len(trainable), mean=mean,
                        std=std, zero_variance=zero_variance, dropped=dropped,
                        passes=sum(passed(m.summary) for m in trainable),
@@ -146,6 +149,11 @@ def count_task(count: Optional[TaskCount], domain: str, result: GroupResult) -> 
     count = count or TaskCount(domain)
     return TaskCount(domain, count.attempts + result.trainable, count.passes + result.passes,
                      max(count.ts, result.ended_ts))
+
+
+def task_key(partition: int, task_id: str) -> bytes:
+    """The key of a task's counts from one partition, in the table and on the <ns>.task.stats feed."""
+    return f"{partition}|{task_id}".encode()
 
 
 def task_stats(task_id: str, counts: list[TaskCount]) -> TaskStats:

@@ -2,6 +2,7 @@
 
     outbox.send(topic, key, value, partition=None)   # queued, never dropped (blocks when the buffer is full)
     await outbox.flush()                             # everything sent before this call is acknowledged
+    await outbox.reachable()                         # a broker answers now (the sweeper's clock stops if not)
 
 `KafkaOutbox` is an idempotent confluent-kafka producer (librdkafka does the batching in C, a few
 microseconds a record). The Faust producer's flush awaits `outbox.flush()`, so Faust commits a source
@@ -17,7 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
-from confluent_kafka import KafkaError, Message, Producer
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from infra.kafka import DeliveryError, producer_config
 from infra.settings import Settings
@@ -28,6 +29,9 @@ class Outbox(Protocol):
         ...
 
     async def flush(self) -> None:
+        ...
+
+    async def reachable(self) -> bool:
         ...
 
 
@@ -43,12 +47,16 @@ class Sent:
 class MemoryOutbox:
     sent: list[Sent] = field(default_factory=list)
     flushed_at: list[int] = field(default_factory=list)  # len(sent) at each flush
+    up: bool = True  # what reachable() answers: a test sets False for a broker outage
 
     def send(self, topic: str, key: Optional[bytes], value: Optional[bytes], partition: Optional[int] = None) -> None:
         self.sent.append(Sent(topic, key, value, partition))
 
     async def flush(self) -> None:
         self.flushed_at.append(len(self.sent))
+
+    async def reachable(self) -> bool:
+        return self.up
 
     def to(self, topic: str) -> list[Sent]:
         return [s for s in self.sent if s.topic == topic]
@@ -123,6 +131,16 @@ class KafkaOutbox:
         self._epoch += 1
         self._callback = self._callback_for(self._epoch)
         await asyncio.get_running_loop().run_in_executor(None, self._wait, upto, timeout)
+
+    async def reachable(self, timeout: float = 1.0) -> bool:
+        """Whether a broker answers a metadata request within `timeout` (off the event loop)."""
+        def probe() -> bool:
+            try:
+                self._producer.list_topics(timeout=timeout)
+                return True
+            except KafkaException:
+                return False
+        return await asyncio.get_running_loop().run_in_executor(None, probe)
 
     def close(self, timeout: float = 60.0) -> None:
         self._wait(self._epoch, timeout)

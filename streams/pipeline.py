@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Union
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional, Protocol
 
 from infra.claims import resolve
 from infra.settings import Settings
@@ -27,14 +27,16 @@ from schemas.errors import DecodeError, RewardError, ValidationError
 from schemas.records import DeadLetter, PolicyTurn, RolloutEvent, SourcePosition, Trajectory
 from schemas.topics import Topics
 from streams import assembly, fastcodec, grouping
-from streams.assembly import ABANDONED, ClosedEpisode, EpisodeState
+from streams.assembly import ABANDONED, ERROR, ClosedEpisode, EpisodeState
+from streams.eventtime import EventTime
 from streams.grouping import ClosedGroup, GroupState, TaskCount
-from streams.metrics import Metrics, observe_trajectory
+from infra.metrics import Metrics
+from streams.metrics import observe_trajectory, streams_metrics
 from streams.outbox import Outbox
 from streams.runtime import PartitionedTable
 from streams.scoring import Scorer
 from streams.settings import StreamSettings
-from streams.state import EpisodeLog
+from streams.state import EpisodeLog, GroupValue, MemberRecord, member_key
 from streams.validation import DEFAULT_LIMITS, Limits, decode_event, validate
 
 log = logging.getLogger(__name__)
@@ -59,8 +61,12 @@ class Message(Protocol):
 class Tables:
     episodes: PartitionedTable[EpisodeLog]
     seen: PartitionedTable[ClosedEpisode]
-    groups: PartitionedTable[Union[GroupState, ClosedGroup]]
+    groups: PartitionedTable[GroupValue]  # groups by group id, their open members' records by member key
     taskstats: PartitionedTable[TaskCount]
+
+    def items(self) -> list[tuple[str, PartitionedTable[Any]]]:
+        return [("episodes", self.episodes), ("seen", self.seen), ("groups", self.groups),
+                ("taskstats", self.taskstats)]
 
 
 @dataclass
@@ -106,17 +112,24 @@ class Pipeline:
                  limits: Limits = DEFAULT_LIMITS, ready: Callable[[], bool] = lambda: True) -> None:
         self.settings, self.topics, self.tables, self.outbox, self.scorer = settings, topics, tables, outbox, scorer
         self.claims = claims or ClaimResolver(None)
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or streams_metrics()
         self.limits = limits
         self.ready = ready
         # The timers and the agents share tables; a batch holds its stage's lock across its awaits (claims,
         # flushes), while the other stage, which has its own tables, may run.
         self.episode_lock = asyncio.Lock()
         self.group_lock = asyncio.Lock()
-        self.event_watermark: dict[int, int] = {}  # partition of events -> max event ts seen
-        self.group_watermark: dict[int, int] = {}  # partition of trajectories -> max ended_ts seen
+        # Episodes age in their producer's event time (or wall time); groups, whose members do not say which
+        # producer made them, in wall time since their first member came (streams.eventtime).
+        self.event_time = EventTime(int(settings.clock_skew_s * 1000))
+        self.trajectory_time = EventTime(int(settings.clock_skew_s * 1000))  # ended_ts: for closed groups
+        self.max_record_bytes = settings.max_record_bytes
+        self.logged_members: dict[bytes, int] = {}  # member keys this worker wrote to the groups changelog -> partition
         self.window_start = _now_ms()
         self.sweeps = 0
+        # Monotonic time from which this worker could read the log: its start, or when a sweep found it ready
+        # again after recovering or rebalancing.
+        self.ready_since: Optional[float] = time.monotonic()
 
     # ---- clean -> assemble -> score ----------------------------------------------------------
     async def on_events(self, messages: list[Message]) -> None:
@@ -128,11 +141,19 @@ class Pipeline:
                 if item is not None and not item.rejected:
                     self._assemble(item, batch)
             ended = [(key, batch.logs.pop(key), key not in batch.opened) for key in batch.ended]
+            oversize = [(key, batch.logs.pop(key), key not in batch.opened) for key, episode in list(batch.logs.items())
+                        if log_bytes(episode) > self.max_record_bytes]
             for key, episode, _ in ended:
                 await self._publish_trajectory(episode.state, None)
+            for key, episode, _ in oversize:  # its changelog value would not fit a record: it ends here
+                self._reject_trajectory(assembly.to_trajectory(episode.state, self.topics.events, ERROR),
+                                        episode.state, "oversize", f"the open episode's events take "
+                                        f"{log_bytes(episode)} bytes, over --max-record-bytes "
+                                        f"{self.max_record_bytes}", "assemble")
             for key, episode in batch.logs.items():
                 self.tables.episodes.put(self.outbox, episode.state.partition, key, episode)
             await self._forget_episodes(ended)
+            await self._forget_episodes(oversize, ERROR)
 
     def _clean(self, message: Message) -> Optional[Incoming]:
         self.metrics.count("streams/events")
@@ -163,7 +184,7 @@ class Pipeline:
     def _assemble(self, item: Incoming, batch: EpisodeBatch) -> None:
         event, key = item.event, item.event.episode_id.encode()
         partition = item.message.partition
-        self.event_watermark[partition] = max(self.event_watermark.get(partition, 0), event.ts)
+        self.event_time.observe((partition, event.producer_id), event.ts)
         episode = batch.logs.get(key) or self.tables.episodes.get(key)
         try:
             if self._is_duplicate(key, episode, item):
@@ -177,6 +198,7 @@ class Pipeline:
             self._failed(item.message, exc, "assemble", event)
             return
         self.metrics.count("streams/accepted")
+        self.event_time.touch(key, (partition, item.event.producer_id))
         raw = item.message.value or b""
         if episode is None:
             batch.opened.add(key)
@@ -221,6 +243,7 @@ class Pipeline:
             final = status or assembly.status_of(state) or ABANDONED
             self.tables.seen.put(self.outbox, state.partition, key, assembly.close(state, final))
             self.tables.episodes.delete(self.outbox, state.partition, key, tombstone)
+            self.event_time.forget(key)
             if final == ABANDONED:
                 self.metrics.count("streams/abandoned")
 
@@ -254,6 +277,10 @@ class Pipeline:
             log.exception("scoring %s failed", trajectory.trajectory_id)
             self._reject_trajectory(trajectory, state, "processing_error", repr(exc), "score")
             return
+        if len(value) > self.max_record_bytes:
+            self._reject_trajectory(trajectory, state, "oversize", f"the trajectory takes {len(value)} bytes, over "
+                                    f"--max-record-bytes {self.max_record_bytes}", "score")
+            return
         self.outbox.send(self.topics.trajectories, scored.group_id.encode(), value)
         observe_trajectory(self.metrics, scored)
 
@@ -261,15 +288,23 @@ class Pipeline:
     async def on_trajectories(self, messages: list[Message]) -> None:
         async with self.group_lock:
             touched: dict[bytes, GroupState] = {}
+            joined: list[tuple[bytes, grouping.Member]] = []
             for message in messages:
-                self._add_to_group(message, touched)
+                self._add_to_group(message, touched, joined)
             complete = [(key, group) for key, group in touched.items() if grouping.is_complete(group)]
+            for key, member in joined:  # a group still open keeps each new member's record under its own key
+                group = touched[key]
+                if not grouping.is_complete(group):
+                    mkey = member_key(key, member.trajectory_id)
+                    self.tables.groups.log(self.outbox, group.partition, mkey, MemberRecord(member.raw))
+                    self.logged_members[mkey] = group.partition
             for key, group in touched.items():
                 if not grouping.is_complete(group):
                     self.tables.groups.put(self.outbox, group.partition, key, group)
             await self._emit_groups(complete, timed_out=False)
 
-    def _add_to_group(self, message: Message, touched: dict[bytes, GroupState]) -> None:
+    def _add_to_group(self, message: Message, touched: dict[bytes, GroupState],
+                      joined: list[tuple[bytes, grouping.Member]]) -> None:
         try:
             raw = fastcodec.current_bytes(message.value or b"")
             head = fastcodec.read_summary(raw)
@@ -280,18 +315,21 @@ class Pipeline:
             self._failed(message, exc, "group")
             return
         key, partition = head.group_id.encode(), message.partition
-        self.group_watermark[partition] = max(self.group_watermark.get(partition, 0), head.ended_ts)
-        current = touched.get(key) or self.tables.groups.get(key)
+        self.trajectory_time.observe((partition, ""), head.ended_ts)
+        found = touched.get(key) or self.tables.groups.get(key)
+        current = None if isinstance(found, MemberRecord) else found  # (a group id never has a member's key)
         if isinstance(current, ClosedGroup) or (current is not None and grouping.is_complete(current)):
             ids = current.trajectory_ids
             self.metrics.count("streams/duplicate_trajectories" if head.trajectory_id in ids
                                else "streams/late_stragglers")
             return
-        group = grouping.add_member(current, grouping.Member(head, raw), partition)
+        member = grouping.Member(head, raw)
+        group = grouping.add_member(current, member, partition)
         if group is current:
             self.metrics.count("streams/duplicate_trajectories")
             return
         touched[key] = group
+        joined.append((key, member))
 
     async def _emit_groups(self, groups: list[tuple[bytes, GroupState]], timed_out: bool) -> None:
         """Scored members out; once they are on the broker, the groups are closed and counted (as episodes)."""
@@ -303,14 +341,30 @@ class Pipeline:
             self._count_group(group, result, timed_out)
             self._count_task(group, result)
             self.tables.groups.put(self.outbox, group.partition, key, grouping.close(group, timed_out))
+            for member in group.members:
+                mkey = member_key(key, member.trajectory_id)
+                if mkey in self.logged_members or self.tables.groups.get(mkey) is not None:
+                    self.logged_members.pop(mkey, None)
+                    self.tables.groups.delete(self.outbox, group.partition, mkey)
 
     def _emit_scores(self, key: bytes, group: GroupState) -> grouping.GroupResult:
         result = grouping.finalize(group, self.settings.advantage_eps, self.settings.drop_zero_variance)
         for member, advantage in result.scored:
-            value = fastcodec.with_advantage(member.raw, member.summary.advantage_at, advantage, result.mean,
+            raw = member.raw or self._member_record(key, member)  # empty: recovered from the changelog
+            if not raw:
+                continue
+            value = fastcodec.with_advantage(raw, member.summary.advantage_at, advantage, result.mean,
                                              result.std)
             self.outbox.send(self.topics.scored, key, value)
         return result
+
+    def _member_record(self, key: bytes, member: grouping.Member) -> bytes:
+        record = self.tables.groups.get(member_key(key, member.trajectory_id))
+        if isinstance(record, MemberRecord):
+            return record.raw
+        log.error("group %r: no record of member %s in the changelog", key, member.trajectory_id)
+        self.metrics.count("streams/missing_member_records")
+        return b""
 
     def _count_group(self, group: GroupState, result: grouping.GroupResult, timed_out: bool) -> None:
         self.metrics.count("streams/groups", outcome="timed_out" if timed_out else "complete")
@@ -320,36 +374,48 @@ class Pipeline:
             self.metrics.count("streams/zero_variance_groups", dropped=str(result.dropped).lower())
 
     def _count_task(self, group: GroupState, result: grouping.GroupResult) -> None:
-        """Per-partition counts in the table (a changelog partition holds only its own keys); the feed sums them."""
+        """The task's counts of this group's partition, in the table and on the feed under the key
+        "<partition>|<task id>": each partition's owner publishes its own, so the counts stay exact however many
+        workers share the partitions, and a reader sums a task's partitions (producers.feeds)."""
         first = min((m.summary for m in group.members), key=lambda t: t.trajectory_id)
-        counts = []
-        for partition in range(self.topics.partitions):
-            key = f"{partition}|{first.task_id}".encode()
-            count = self.tables.taskstats.get(key)
-            if partition == group.partition:
-                count = grouping.count_task(count, first.domain, result)
-                self.tables.taskstats.put(self.outbox, partition, key, count)
-            if count is not None:
-                counts.append(count)
-        stats = grouping.task_stats(first.task_id, counts)
-        self.outbox.send(self.topics.task_stats, first.task_id.encode(), codec.encode(stats))
+        key = grouping.task_key(group.partition, first.task_id)
+        count = grouping.count_task(self.tables.taskstats.get(key), first.domain, result)
+        self.tables.taskstats.put(self.outbox, group.partition, key, count)
+        self.outbox.send(self.topics.task_stats, key, codec.encode(grouping.task_stats(first.task_id, [count])))
+
+    async def keep_partitions(self, partitions: set[int]) -> None:
+        """After a rebalance: let go of the state of partitions another worker now holds (it recovers them from
+        the changelog), so this worker's sweeps, timers and table writes touch only partitions it owns."""
+        async with self.episode_lock, self.group_lock:
+            gone = {name: table.keep_partitions(partitions) for name, table in self.tables.items()}
+            for key in gone["episodes"]:
+                self.event_time.forget(key)
+            self.logged_members = {key: p for key, p in self.logged_members.items() if p in partitions}
+        log.info("holding partitions %s; let go of %s", sorted(partitions),
+                 ", ".join(f"{len(keys)} {name}" for name, keys in gone.items() if keys) or "nothing")
 
     # ---- timers ------------------------------------------------------------------------------
     async def sweep(self) -> None:
         """Close idle episodes as abandoned, emit groups past their timeout, forget markers past the horizon."""
-        if not self.ready():
+        if not self.ready() or not await self.outbox.reachable():
+            self.ready_since = None
             return
+        now = time.monotonic()
+        # Wall time counts from when this worker could process the log again: after a restart, recovery
+        # and a rebalance take seconds in which no event of a recovered episode or group can arrive, and
+        # while no broker answers, producers hold their events back (delivered when it returns).
+        self.ready_since = since = self.ready_since or now
+        self._count_clamped()
         async with self.episode_lock:
             idle = [(key, episode, True) for key, episode in self.tables.episodes.items()
-                    if self._idle_ms(self.event_watermark, episode.state.last_ts, episode.touched,
-                                     episode.state.partition) > self.settings.episode_timeout_s * 1000]
+                    if self.event_time.idle_ms(key, now - max(episode.touched, since))
+                    > self.settings.episode_timeout_s * 1000]
             for _, episode, _ in idle:
                 await self._publish_trajectory(episode.state, ABANDONED)
             await self._forget_episodes(idle, ABANDONED)
         async with self.group_lock:
             late = [(key, group) for key, group in self.tables.groups.items() if isinstance(group, GroupState)
-                    and self._idle_ms(self.group_watermark, group.first_ts, group.since, group.partition)
-                    > self.settings.group_timeout_s * 1000]
+                    and now - max(group.since, since) > self.settings.group_timeout_s]
             await self._emit_groups(late, timed_out=True)
         self.sweeps += 1
         if self.sweeps % PRUNE_EVERY == 0:
@@ -357,18 +423,21 @@ class Pipeline:
                 self.prune()
 
     def prune(self) -> None:
-        horizon = self.settings.dedupe_horizon_s * 1000
+        horizon, now = self.settings.dedupe_horizon_s * 1000, time.monotonic()
         for key, closed in self.tables.seen.items():
-            if self._idle_ms(self.event_watermark, closed.closed_ts, closed.since, closed.partition) > horizon:
+            if self.event_time.age_ms(closed.partition, closed.closed_ts, now - closed.since) > horizon:
                 self.tables.seen.delete(self.outbox, closed.partition, key)
         for key, group in self.tables.groups.items():
             if isinstance(group, ClosedGroup) and \
-                    self._idle_ms(self.group_watermark, group.closed_ts, group.since, group.partition) > horizon:
+                    self.trajectory_time.age_ms(group.partition, group.closed_ts, now - group.since) > horizon:
                 self.tables.groups.delete(self.outbox, group.partition, key)
 
-    @staticmethod
-    def _idle_ms(watermarks: dict[int, int], last_ts: int, since: float, partition: int) -> float:
-        return assembly.idle_ms(last_ts, watermarks.get(partition, 0), time.monotonic() - since)
+    def _count_clamped(self) -> None:
+        """Timestamps from clocks ahead of this worker's, capped since the last sweep (a metric, not an error)."""
+        clamped = self.event_time.clamped + self.trajectory_time.clamped
+        if clamped:
+            self.metrics.count("streams/clock_skew_clamped", clamped)
+            self.event_time.clamped = self.trajectory_time.clamped = 0
 
     async def flush_metrics(self) -> None:
         now = _now_ms()
@@ -402,10 +471,21 @@ class Pipeline:
                                      ts=state.last_ts))
 
     def _dead_letter(self, record: DeadLetter) -> None:
+        value = codec.encode(record)
+        if len(value) > self.max_record_bytes:  # the dead letter itself must fit: keep the position, not the bytes
+            record = replace(record, original=b"", detail=record.detail + f" (the original's {len(record.original)}"
+                             f" bytes are not copied here: read them at {record.source_topic}"
+                             f"[{record.partition}]@{record.offset})")
+            value = codec.encode(record)
         self.metrics.count("streams/deadletters", reason=record.reason, stage=record.stage)
         log.debug("dead letter %s at %s[%d]@%d: %s", record.reason, record.source_topic, record.partition,
                   record.offset, record.detail)
-        self.outbox.send(self.topics.deadletter, record.key, codec.encode(record))
+        self.outbox.send(self.topics.deadletter, record.key, value)
+
+
+def log_bytes(episode: EpisodeLog) -> int:
+    """About the size of the episode's changelog value (its events plus a small frame each)."""
+    return sum(len(raw) for raw in episode.raw) + 16 * len(episode.raw)
 
 
 def _encode_or_empty(record: Trajectory) -> bytes:

@@ -12,6 +12,8 @@ total = sum(weight * component). Registered functions:
     ("default", "2")  as "1" but the truncation penalty weighs 1.0: a truncated trajectory scores exactly
                       0.5 less than under "1"; every other trajectory scores the same. Components are equal.
     ("outcome", "1")  the outcome component alone (all components still recorded)
+    installed packages' functions, entry points "name:version" of group trajpipe.rewards: fn(trajectory,
+                      components) -> total over the components measured here (schemas.environments)
 
 Components by domain (all in [0, 1]):
     code   outcome/tests_passed  fraction of tests passed on the last turn the sandbox ran
@@ -23,9 +25,25 @@ Components by domain (all in [0, 1]):
     table  outcome/correct       |answer - gold| <= the spec's tolerance
            process/answer_found
            process/cells_cited   fraction of the spec's cells whose row label or value the text mentions
+    text   outcome/correct       the first line of the answer, stripped, equals the gold text exactly
+           process/answer_found  the answer has a non-empty first line
+           process/chars_correct characters equal to the gold one at the same position, over the longer length
+    terminal outcome/tests_passed  fraction of the task's tests passing at submit (0 without a submit)
+           process/tests_partial best fraction of any run_tests or submit
+           process/tests_gained  best fraction minus the first one measured (tests that newly pass)
+           process/commands_ok   fraction of run / read_file / write_file calls that succeeded
+           process/syntax_ok     fraction of written .py files that compiled
+           penalty/tool_errors   fraction of turns that were no valid tool call
+           penalty/steps         steps beyond the two a fix needs (a write, a submit), over the step budget
+    env/<name>       an installed environment's verify(spec, answer): its own components (schemas.environments)
+    rg/<generator>   (streams.reasoning: the task re-generated from its spec, scored by its dataset)
+           outcome/correct       the dataset's score_answer is 1
+           process/tests_partial the dataset's score in [0, 1] (partial credit where the dataset gives it)
+           process/answer_found  an answer could be read (the last \boxed{}, else after "answer:", else the text)
     all    penalty/truncated     status "truncated" or any turn stopped by finish_reason "length"
            penalty/overlong      0 up to 3/4 of the length budget, rising linearly to 1 at the budget
            status/not_trainable  0 here
+           status/demonstration  1 when the turns are a task's gold completion (policy_version -1), absent else
 
 Final answers are taken from the last turn's text: the last \\boxed{...}, else the text after the last
 "answer:" / "answer is", else after the last "=", else the last number.
@@ -46,9 +64,12 @@ from typing import Any, Callable, Mapping
 
 from math_verify import parse, verify
 
+from schemas import environments
 from schemas.errors import ConfigError, RewardError
-from schemas.records import Trajectory, TrajectoryTurn
-from schemas.tasks import TaskSpecError, decode_task_spec
+from schemas.records import Trajectory, TrajectoryTurn, is_demonstration
+from schemas.tasks import ENVIRONMENT, REASONING_GYM, TaskSpecError, decode_task_spec, domain_kind
+from schemas.toolcalls import ToolCall, ToolCallError, parse_call
+from streams import reasoning
 
 OUTCOME_TESTS = "outcome/tests_passed"
 OUTCOME_CORRECT = "outcome/correct"
@@ -56,15 +77,21 @@ PROCESS_SYNTAX = "process/syntax_ok"
 PROCESS_PARTIAL = "process/tests_partial"
 PROCESS_ANSWER = "process/answer_found"
 PROCESS_CELLS = "process/cells_cited"
+PROCESS_CHARS = "process/chars_correct"
+PROCESS_GAINED = "process/tests_gained"
+PROCESS_COMMANDS = "process/commands_ok"
 PENALTY_TRUNCATED = "penalty/truncated"
 PENALTY_OVERLONG = "penalty/overlong"
+PENALTY_TOOL_ERRORS = "penalty/tool_errors"
+PENALTY_STEPS = "penalty/steps"
 NOT_TRAINABLE = "status/not_trainable"
 INFRA_ERROR = "status/infra_error"
+DEMONSTRATION = "status/demonstration"  # weighs 0 in every version: it marks, it does not reward
 
 TRAINABLE_STATUSES = ("completed", "truncated")
 UNTRAINABLE_STATUSES = ("abandoned", "aborted", "error")
 # Generated tokens at which penalty/overlong reaches 1, unless the task_spec sets length_budget.
-LENGTH_BUDGET = {"code": 1024, "math": 256, "table": 256}
+LENGTH_BUDGET = {"code": 1024, "math": 256, "table": 256, "text": 64, "rg": 512, "terminal": 4096}
 # Longer answers skip math-verify: sympy on adversarial text (towers of powers) can run for minutes,
 # and with its signal-based timeout off (it fails outside the main thread) nothing would stop it.
 MAX_SYMBOLIC_CHARS = 64
@@ -72,8 +99,9 @@ _FLOAT_SLACK = 1e-9
 
 WEIGHTS_V1: dict[str, float] = {
     OUTCOME_TESTS: 1.0, OUTCOME_CORRECT: 1.0,
-    PROCESS_SYNTAX: 0.1, PROCESS_PARTIAL: 0.1, PROCESS_ANSWER: 0.1, PROCESS_CELLS: 0.1,
+    PROCESS_SYNTAX: 0.1, PROCESS_PARTIAL: 0.1, PROCESS_ANSWER: 0.1, PROCESS_CELLS: 0.1, PROCESS_CHARS: 0.1,
     PENALTY_TRUNCATED: -0.5, PENALTY_OVERLONG: -0.2,
+    PROCESS_GAINED: 0.1, PROCESS_COMMANDS: 0.1, PENALTY_TOOL_ERRORS: -0.2, PENALTY_STEPS: -0.1,
 }
 WEIGHTS_V2: dict[str, float] = {**WEIGHTS_V1, PENALTY_TRUNCATED: -1.0}
 WEIGHTS_OUTCOME: dict[str, float] = {OUTCOME_TESTS: 1.0, OUTCOME_CORRECT: 1.0}
@@ -113,11 +141,29 @@ def register(name: str, version: str) -> Callable[[RewardFn], RewardFn]:
 
 
 def get_reward_fn(name: str, version: str) -> RewardFn:
+    if (name, str(version)) not in REWARDS:
+        _register_installed()
     try:
         return REWARDS[(name, str(version))]
     except KeyError:
         known = ", ".join(f"{n} v{v}" for n, v in sorted(REWARDS))
-        raise ConfigError(f"no reward function {name} v{version}; registered: {known}") from None
+        raise ConfigError(f"no reward function {name} v{version}; registered: {known} (and any installed "
+                          f"package's, entry points 'name:version' of group {environments.REWARDS_GROUP})") from None
+
+
+def _register_installed() -> None:
+    """Reward functions of installed packages: fn(trajectory, components) -> total over measured components."""
+    for (name, version), fn in environments.reward_functions().items():
+        if (name, version) in REWARDS:
+            continue
+
+        def weigh(trajectory: Trajectory, fn: Callable[..., float] = fn) -> RewardResult:
+            components = measure(trajectory)
+            if components.get(NOT_TRAINABLE, 0.0):
+                return RewardResult(0.0, components)
+            return RewardResult(float(fn(trajectory, dict(components))), components)
+
+        register(name, version)(weigh)
 
 
 # ---- answers -------------------------------------------------------------------------------------------
@@ -237,6 +283,36 @@ def code_components(trajectory: Trajectory, spec: Mapping[str, Any]) -> dict[str
     }
 
 
+def terminal_components(trajectory: Trajectory, spec: Mapping[str, Any]) -> dict[str, float]:
+    """From the recorded facts only: each turn's text (the tool call, parsed again) and the sandbox's outcome
+    and test counts for the calls that ran."""
+    calls = [(_call(turn.text), turn) for turn in trajectory.turns]
+    tested = [(c, t) for c, t in calls if c is not None and c.name in ("run_tests", "submit") and t.outcome]
+    fractions = [_tests_fraction(t) for _, t in tested]
+    last = calls[-1][0] if calls else None
+    submitted = last is not None and last.name == "submit" and bool(calls[-1][1].outcome)
+    others = [t for c, t in calls if c is not None and c.name in ("run", "read_file", "write_file") and t.outcome]
+    writes = [t for c, t in calls if c is not None and c.name == "write_file" and c.arguments["path"].endswith(".py")
+              and t.outcome]
+    steps, budget = len(trajectory.turns), int(spec.get("max_steps", 8))
+    return {
+        OUTCOME_TESTS: fractions[-1] if submitted else 0.0,
+        PROCESS_PARTIAL: max(fractions, default=0.0),
+        PROCESS_GAINED: max(max(fractions) - fractions[0], 0.0) if fractions else 0.0,
+        PROCESS_COMMANDS: sum(t.outcome == "passed" for t in others) / len(others) if others else 1.0,
+        PROCESS_SYNTAX: sum(t.outcome != "syntax_error" for t in writes) / len(writes) if writes else 1.0,
+        PENALTY_TOOL_ERRORS: sum(c is None for c, _ in calls) / steps if steps else 0.0,
+        PENALTY_STEPS: min(max(steps - 2, 0) / max(budget - 2, 1), 1.0),  # a write and a submit need two
+    }
+
+
+def _call(text: str) -> ToolCall | None:
+    try:
+        return parse_call(text)
+    except ToolCallError:
+        return None
+
+
 def math_components(trajectory: Trajectory, spec: Mapping[str, Any]) -> dict[str, float]:
     answer = extract_final_answer(_final_text(trajectory))
     correct = answer is not None and math_equivalent(spec["answer"], answer)
@@ -259,8 +335,50 @@ def table_components(trajectory: Trajectory, spec: Mapping[str, Any]) -> dict[st
             PROCESS_CELLS: sum(cited) / len(cited)}
 
 
+def text_components(trajectory: Trajectory, spec: Mapping[str, Any]) -> dict[str, float]:
+    lines = _final_text(trajectory).strip().splitlines()
+    answer, gold = (lines[0].strip() if lines else ""), str(spec["answer"])
+    same = sum(a == b for a, b in zip(answer, gold))
+    return {OUTCOME_CORRECT: float(answer == gold), PROCESS_ANSWER: float(bool(answer)),
+            PROCESS_CHARS: same / max(len(answer), len(gold), 1)}
+
+
+def environment_components(trajectory: Trajectory, spec: Mapping[str, Any]) -> dict[str, float]:
+    """An installed environment's own verifier (schemas.environments) on the recorded spec and last answer."""
+    env = _environment(trajectory.domain)
+    if spec["env_version"] not in environments.accepted_versions(env):
+        raise RewardError(f"environment {trajectory.domain} v{env.version} does not score tasks of its version "
+                          f"{spec['env_version']} (it accepts {sorted(environments.accepted_versions(env))})")
+    found = dict(env.verify(spec, _final_text(trajectory)))
+    if environments.OUTCOME not in found:
+        raise RewardError(f"environment {trajectory.domain} verify gave no {environments.OUTCOME}: {sorted(found)}")
+    components = {str(k): float(v) for k, v in found.items()}
+    bad = {k: v for k, v in components.items() if not 0.0 <= v <= 1.0}
+    if bad:
+        raise RewardError(f"environment {trajectory.domain} verify gave components outside [0, 1]: {bad}")
+    return components
+
+
+def _environment(domain: str) -> Any:
+    name = environments.name_of(domain)
+    try:
+        if name is None:
+            raise ConfigError(f"{domain!r} is no environment domain")
+        return environments.load(name)
+    except ConfigError as exc:
+        raise RewardError(str(exc)) from exc
+
+
+def reasoning_gym_components(trajectory: Trajectory, spec: Mapping[str, Any]) -> dict[str, float]:
+    text = _final_text(trajectory)
+    value = reasoning.score(spec, text)
+    return {OUTCOME_CORRECT: float(value >= 1.0), PROCESS_PARTIAL: value,
+            PROCESS_ANSWER: float(bool(reasoning.answer_text(text)))}
+
+
 _DOMAIN_COMPONENTS: dict[str, Callable[[Trajectory, Mapping[str, Any]], dict[str, float]]] = {
-    "code": code_components, "math": math_components, "table": table_components,
+    "code": code_components, "math": math_components, "table": table_components, "terminal": terminal_components,
+    "text": text_components, REASONING_GYM: reasoning_gym_components, ENVIRONMENT: environment_components,
 }
 
 
@@ -271,7 +389,10 @@ def _generated_tokens(turn: TrajectoryTurn) -> int:
 
 def penalty_components(trajectory: Trajectory, spec: Mapping[str, Any]) -> dict[str, float]:
     truncated = trajectory.status == "truncated" or any(t.finish_reason == "length" for t in trajectory.turns)
-    budget = spec.get("length_budget", LENGTH_BUDGET[trajectory.domain])
+    kind = domain_kind(trajectory.domain) or trajectory.domain
+    default = getattr(_environment(trajectory.domain), "length_budget", environments.DEFAULT_LENGTH_BUDGET) \
+        if kind == ENVIRONMENT else LENGTH_BUDGET[kind]
+    budget = spec.get("length_budget", default)
     used = sum(_generated_tokens(t) for t in trajectory.turns)
     soft = 0.75 * budget
     overlong = min(max((used - soft) / (budget - soft), 0.0), 1.0) if budget > 0 else 0.0
@@ -304,8 +425,9 @@ def measure(trajectory: Trajectory) -> dict[str, float]:
     if untrainable is not None:
         return untrainable
     spec = _spec(trajectory)
-    components = _DOMAIN_COMPONENTS[trajectory.domain](trajectory, spec)
-    return {NOT_TRAINABLE: 0.0, **components, **penalty_components(trajectory, spec)}
+    components = _DOMAIN_COMPONENTS[domain_kind(trajectory.domain) or trajectory.domain](trajectory, spec)
+    marks = {DEMONSTRATION: 1.0} if is_demonstration(trajectory.turns) else {}
+    return {NOT_TRAINABLE: 0.0, **components, **penalty_components(trajectory, spec), **marks}
 
 
 def weighted(components: Mapping[str, float], weights: Mapping[str, float]) -> RewardResult:

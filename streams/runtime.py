@@ -28,21 +28,44 @@ class BatchConsumer(driver.Consumer):
     event at a time. This hands each message to the conductor directly; `batches` then skips the stream.
     """
 
+    seeks = 0  # perform_seek calls: a fetch that spans one returns records from before the seek
+
+    async def perform_seek(self) -> None:
+        self.seeks += 1
+        await super().perform_seek()
+
+    def _epoch(self) -> tuple[int, int]:
+        """Changes with every rebalance (the group generation) and every seek to the committed offsets."""
+        return self.app.consumer_generation_id, self.seeks
+
     async def _drain_messages(self, fetcher: Any) -> None:  # pragma: no cover - runs against a broker
         callback = self.callback
         consumer_stopped, fetcher_stopped = self._stopped.is_set, fetcher._stopped.is_set
         suspended = self.suspend_flow.is_set
         try:
             while not (consumer_stopped() or fetcher_stopped()):
+                # Faust's getmany notes the generation only once its fetch returns, so records fetched before
+                # a rebalance that completed meanwhile would pass as current: delivered from their old
+                # positions, they would make the gap up to the committed offset look acked and drop the
+                # records that are fetched again from there. The epoch is taken before the fetch instead.
+                epoch = self._epoch()
                 records = self.getmany(timeout=1.0)
                 await asyncio.sleep(0)
                 if self.should_stop:
                     continue
                 n = 0
                 async for tp, message in records:
-                    if suspended():  # a rebalance: the rest is fetched again from the committed offset
+                    if suspended():  # a rebalance is starting: it seeks to the committed offsets when done
                         break
-                    await self._deliver(tp, message, callback)
+                    if self._epoch() != epoch or not await self._deliver(tp, message, callback, epoch):
+                        # it is done, and this fetch spanned it: what it returned may predate the seek, and
+                        # what is left of it would be lost, so everything is fetched again from the committed
+                        # offsets (what was delivered and not yet committed comes twice: deduplicated)
+                        try:
+                            await self.perform_seek()
+                        except Exception as exc:  # the broker is away: the stall watchdog restarts if stuck
+                            self.log.warning("seek to the committed offsets after a rebalance failed: %r", exc)
+                        break
                     n += 1
                     if n % 256 == 0:
                         await asyncio.sleep(0)  # let agents and timers run during large fetches
@@ -55,18 +78,26 @@ class BatchConsumer(driver.Consumer):
                 return
             raise
 
-    async def _deliver(self, tp: Any, message: Any, callback: Any) -> None:  # pragma: no cover
+    async def _deliver(self, tp: Any, message: Any, callback: Any, epoch: tuple[int, int]) -> bool:  # pragma: no cover
+        """Hand one record to the agents; False when a rebalance completed meanwhile."""
         offset = message.offset
-        read = self._read_offset[tp]
-        if read is not None and offset < read:
-            return
-        if read and offset - read > 1 and self.app.topics.acks_enabled_for(message.topic):
-            await self._add_gap(tp, read + 1, offset)  # compacted or transactional gaps stay committable
         if self._commit_every is not None and self._n_acked >= self._commit_every:
             self._n_acked = 0
-            await self.commit()
-        await callback(message)
+            await self.commit()  # awaits the outbox: a rebalance may complete meanwhile
+            if self._epoch() != epoch:
+                return False
+        read = self._read_offset[tp]
+        if read is not None and offset < read:
+            return True
+        if read and offset - read > 1 and self.app.topics.acks_enabled_for(message.topic):
+            await self._add_gap(tp, read + 1, offset)  # compacted or transactional gaps stay committable
+        if self._epoch() != epoch:
+            return False
+        await callback(message)  # waits only while Faust's flow is suspended (a rebalance) or a buffer is full
+        if self._epoch() != epoch:  # the seek set the read offset; this record's would be stale
+            return False
         self._read_offset[tp] = offset
+        return True
 
 
 class OutboxProducer(driver.Producer):
@@ -141,6 +172,9 @@ class PartitionedTable(Generic[V]):
     def __init__(self, table: TableT, dump: Any) -> None:
         self.table = table
         self.dump = dump
+        # The partition of every key written here (Faust tracks the ones it recovered from the changelog
+        # itself, and drops those of partitions it no longer holds once recovery completes).
+        self.partition_of: dict[bytes, int] = {}
 
     @property
     def topic(self) -> str:
@@ -157,10 +191,26 @@ class PartitionedTable(Generic[V]):
 
     def put(self, outbox: Outbox, partition: int, key: bytes, value: V) -> None:
         self.table.data[key] = value
+        self.partition_of[key] = partition
+        outbox.send(self.topic, key, self.dump(value), partition)
+
+    def keep_partitions(self, partitions: set[int]) -> list[bytes]:
+        """Forget what this worker wrote for partitions it no longer holds (their new owner recovers them from
+        the changelog); returns the keys let go."""
+        gone = [key for key, partition in self.partition_of.items() if partition not in partitions]
+        for key in gone:
+            self.table.data.pop(key, None)
+            del self.partition_of[key]
+        return gone
+
+    def log(self, outbox: Outbox, partition: int, key: bytes, value: V) -> None:
+        """Write the value to the changelog only: the caller keeps it in memory elsewhere until it is deleted,
+        and a restarted worker finds it in the table."""
         outbox.send(self.topic, key, self.dump(value), partition)
 
     def delete(self, outbox: Outbox, partition: int, key: bytes, tombstone: bool = True) -> None:
         """Remove the key; `tombstone=False` when it was never written to the changelog."""
         self.table.data.pop(key, None)
+        self.partition_of.pop(key, None)
         if tombstone:
             outbox.send(self.topic, key, None, partition)

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from infra.kafka import RECORD_LIMIT
+from infra.settings import add_ns_argument
 from schemas.errors import ConfigError
 from schemas.topics import Topics
 
@@ -30,7 +32,14 @@ class StreamSettings:
     metrics_window_s: float = 10.0
     dedupe_horizon_s: float = 3600.0  # how long closed episodes and groups are remembered for late duplicates
     sweep_interval_s: float = 1.0
+    # Producer timestamps further ahead of this worker's clock are capped; None: min(2 s, timeouts / 4).
+    max_clock_skew_s: Optional[float] = None
     advantage_eps: float = 1e-6
+    # Largest record the worker writes (outputs, changelog values, dead letters); what would be larger is
+    # dead-lettered with reason oversize. Below the producer's message.max.bytes (infra.kafka.RECORD_LIMIT).
+    max_record_bytes: int = 4 * 1024 * 1024 - 64 * 1024
+    stall_restart_s: float = 90.0  # records wait and nothing was read or committed this long: restart
+    unassigned_restart_s: float = 30.0  # no partition this long while some has no worker either: restart
     batch_max: int = 4000
     batch_wait_s: float = 0.02
     buffer_maxsize: int = 65536
@@ -56,12 +65,28 @@ class StreamSettings:
              f"({self.episode_timeout_s}): late duplicates arrive up to a timeout after an episode closes"),
             (self.sweep_interval_s <= min(self.episode_timeout_s, self.group_timeout_s),
              f"--sweep-interval-s ({self.sweep_interval_s}) must not exceed the episode and group timeouts"),
+            (_positive(self.clock_skew_s), f"--max-clock-skew-s must be a positive number, got {self.clock_skew_s!r}"),
+            (self.clock_skew_s < min(self.episode_timeout_s, self.group_timeout_s),
+             f"--max-clock-skew-s ({self.clock_skew_s}) must be below the episode and group timeouts: one "
+             "timestamp from the future ages every open episode of its partition by up to this much"),
+            (64 * 1024 <= self.max_record_bytes <= RECORD_LIMIT - 1024,
+             f"--max-record-bytes must be in 65536..{RECORD_LIMIT - 1024} (the producer's record limit less "
+             f"the key and headers), got {self.max_record_bytes}"),
+            (self.stall_restart_s >= 5, f"--stall-restart-s must be >= 5 seconds, got {self.stall_restart_s}"),
+            (self.unassigned_restart_s >= 2,
+             f"--unassigned-restart-s must be >= 2 seconds, got {self.unassigned_restart_s}"),
             (1 <= self.batch_max <= 100_000, f"--batch-max must be in 1..100000, got {self.batch_max}"),
             (0 <= self.batch_wait_s <= 5, f"--batch-wait-s must be in 0..5 seconds, got {self.batch_wait_s}"),
             (self.buffer_maxsize >= self.batch_max,
              f"--buffer-maxsize ({self.buffer_maxsize}) must be >= --batch-max ({self.batch_max})"),
             (self.log_level in LOG_LEVELS, f"--log-level must be one of {', '.join(LOG_LEVELS)}"),
         ]
+
+    @property
+    def clock_skew_s(self) -> float:
+        if self.max_clock_skew_s is not None:
+            return self.max_clock_skew_s
+        return min(2.0, self.episode_timeout_s / 4, self.group_timeout_s / 4)
 
     @property
     def topics(self) -> Topics:
@@ -85,7 +110,10 @@ class StreamSettings:
             else max(3600.0, args.episode_timeout_s),
             sweep_interval_s=args.sweep_interval_s if args.sweep_interval_s is not None
             else min(1.0, args.episode_timeout_s, args.group_timeout_s),
-            advantage_eps=args.advantage_eps, batch_max=args.batch_max, batch_wait_s=args.batch_wait_s,
+            max_clock_skew_s=args.max_clock_skew_s,
+            max_record_bytes=args.max_record_bytes, stall_restart_s=args.stall_restart_s,
+            unassigned_restart_s=args.unassigned_restart_s, advantage_eps=args.advantage_eps, batch_max=args.batch_max,
+            batch_wait_s=args.batch_wait_s,
             buffer_maxsize=args.buffer_maxsize, log_level=args.log_level,
         )
 
@@ -128,7 +156,7 @@ def parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
         convert = (lambda t: _number(kind, t)) if kind in (int, float) else kind
         p.add_argument(flag, type=convert, default=None if value is None else convert(value), **kw)  # type: ignore[arg-type]
 
-    p.add_argument("--ns", default=env.get("TRAJPIPE_NS"), help="run namespace (topics <ns>.*)")
+    add_ns_argument(p, env=env)
     opt("--partitions", int, help="partitions of the keyed topics (default: read from the broker)")
     opt("--reward", str, "default:1", help="reward function NAME:VERSION (see streams.rewards)")
     opt("--episode-timeout-s", float, "600", help="close an episode idle this long as abandoned")
@@ -139,6 +167,16 @@ def parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
     opt("--metrics-window-s", float, "10", help="tumbling window of the metrics")
     opt("--dedupe-horizon-s", float, help="remember closed episodes and groups this long (default max(1h, timeout))")
     opt("--sweep-interval-s", float, help="how often idle episodes and groups are looked for (default 1s)")
+    opt("--max-clock-skew-s", float, help="cap producer timestamps this far ahead of the worker's clock "
+                                          "(default min(2s, a quarter of the timeouts))")
+    opt("--max-record-bytes", int, str(4 * 1024 * 1024 - 64 * 1024),
+        help="dead-letter (reason oversize) what would be a larger record")
+    opt("--stall-restart-s", float, "90", help="restart when records wait and nothing was read or committed "
+                                              "for this long (a client stuck after a broker restart)")
+    opt("--unassigned-restart-s", float, "30",
+        help="restart when this worker holds no partition this long while a partition has no worker either (a "
+             "client that rejoined before the broker listed its topics); with every partition held by other "
+             "workers it idles instead")
     opt("--advantage-eps", float, "1e-6", help="eps in (r - mean) / (std + eps)")
     opt("--batch-max", int, "4000", help="events taken from the stream at once")
     opt("--batch-wait-s", float, "0.02", help="wait this long for a batch to fill")

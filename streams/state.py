@@ -3,12 +3,16 @@
 An open episode is stored as the events that built it, byte for byte as they came, with their source
 positions; recovery folds them again. So a changelog write is a concatenation, never a re-encoding, and
 the format follows the event schemas (a newer worker reads what an older one wrote through the codec).
-An open group is stored likewise as its members' Trajectory records. A closed episode and a task count
-are small JSON objects; the binary values (open episodes, open and closed groups) start with a 4-byte tag
-naming their format.
+An open group is stored as its members' summaries (a few hundred bytes each), and each member's Trajectory
+record under its own key, `member_key(group, trajectory)`, written once when it joins: a batch never
+rewrites a group's records, and no value grows with the group (16 members of 32k tokens each would be
+a 6 MB value, over any broker's record limit). A closed episode and a task count are small JSON objects;
+the binary values (open episodes, open and closed groups, members) start with a 4-byte tag naming their
+format.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import time
@@ -19,14 +23,17 @@ from faust.serializers import codecs
 
 from schemas.records import SourcePosition
 from streams.assembly import ClosedEpisode, EpisodeState, fold
-from streams.fastcodec import decode_event, read_summary
+from streams.fastcodec import Summary, decode_event, read_summary
 from streams.grouping import ClosedGroup, GroupState, Member, TaskCount, add_member
 
 _FRAME = struct.Struct("<iqI")  # partition, offset, length
 _LEN = struct.Struct("<I")
 EPISODE_TAG = b"EPL1"
-GROUP_TAG = b"GRP1"
+GROUP_TAG = b"GRP1"  # an open group with its members' records inline (written by earlier workers; still read)
+GROUP_SUMMARY_TAG = b"GRP2"  # an open group: its members' summaries, their records under member keys
 CLOSED_GROUP_TAG = b"GRC1"
+MEMBER_TAG = b"GRM1"
+MEMBER_SEPARATOR = b"\x00"  # group ids never hold it: keys of members sort after their group's
 
 
 class StateFormatError(ValueError):
@@ -67,22 +74,46 @@ def load_episode(data: bytes) -> EpisodeLog:
     return EpisodeLog(state, tuple(raws))
 
 
-def dump_group(group: Union[GroupState, ClosedGroup]) -> bytes:
+@dataclass(frozen=True)
+class MemberRecord:
+    """One member's Trajectory record, as it came, under `member_key(group key, trajectory id)`."""
+
+    raw: bytes
+
+
+GroupValue = Union[GroupState, ClosedGroup, MemberRecord]
+
+
+def member_key(group_key: bytes, trajectory_id: str) -> bytes:
+    return group_key + MEMBER_SEPARATOR + trajectory_id.encode()
+
+
+def dump_group(group: GroupValue) -> bytes:
     if isinstance(group, ClosedGroup):
         return CLOSED_GROUP_TAG + _json({"closed_ts": group.closed_ts, "ids": list(group.trajectory_ids),
                                          "timed_out": group.timed_out, "partition": group.partition})
-    header = _json({"group_id": group.group_id, "size": group.size, "first_ts": group.first_ts,
-                    "partition": group.partition})
-    parts = [GROUP_TAG, _LEN.pack(len(header)), header]
-    for member in group.members:
-        parts += [_FRAME.pack(0, 0, len(member.raw)), member.raw]
-    return b"".join(parts)
+    if isinstance(group, MemberRecord):
+        return MEMBER_TAG + group.raw
+    return GROUP_SUMMARY_TAG + _json({"group_id": group.group_id, "size": group.size, "first_ts": group.first_ts,
+                                      "partition": group.partition,
+                                      "members": [dataclasses.asdict(m.summary) for m in group.members]})
 
 
-def load_group(data: bytes) -> Union[GroupState, ClosedGroup]:
-    if data[:4] == CLOSED_GROUP_TAG:
+def load_group(data: bytes) -> GroupValue:
+    """A group value; an open group's members come back without their records (`raw` empty): those are
+    the MemberRecords under their own keys."""
+    tag = data[:4]
+    if tag == CLOSED_GROUP_TAG:
         doc = json.loads(data[4:])
         return ClosedGroup(doc["closed_ts"], tuple(doc["ids"]), doc["timed_out"], doc["partition"])
+    if tag == MEMBER_TAG:
+        return MemberRecord(data[4:])
+    if tag == GROUP_SUMMARY_TAG:
+        doc = json.loads(data[4:])
+        state = GroupState(doc["group_id"], doc["size"], doc["first_ts"], doc["partition"])
+        for fields in doc["members"]:
+            state = add_member(state, Member(Summary(**fields), b""), state.partition)
+        return state
     _expect(data, GROUP_TAG)
     (n,) = _LEN.unpack_from(data, 4)
     header = json.loads(data[8:8 + n])
@@ -93,13 +124,19 @@ def load_group(data: bytes) -> Union[GroupState, ClosedGroup]:
 
 
 def dump_closed_episode(closed: ClosedEpisode) -> bytes:
-    return _json({"status": closed.status, "closed_ts": closed.closed_ts, "ids": list(closed.event_ids),
-                  "partition": closed.partition})
+    doc: dict[str, Any] = {"status": closed.status, "closed_ts": closed.closed_ts, "last_seq": closed.last_seq,
+                           "partition": closed.partition}
+    if closed.missing:
+        doc["missing"] = list(closed.missing)
+    return _json(doc)
 
 
 def load_closed_episode(data: bytes) -> ClosedEpisode:
     doc = json.loads(data)
-    return ClosedEpisode(doc["status"], doc["closed_ts"], tuple(doc["ids"]), doc["partition"])
+    if "ids" in doc:  # written by an earlier worker, with every event id: seqs 0..n-1 were taken
+        return ClosedEpisode(doc["status"], doc["closed_ts"], len(doc["ids"]) - 1, (), doc["partition"])
+    return ClosedEpisode(doc["status"], doc["closed_ts"], doc["last_seq"], tuple(doc.get("missing", ())),
+                         doc["partition"])
 
 
 def dump_task_count(count: TaskCount) -> bytes:

@@ -13,10 +13,18 @@ from array import array
 from dataclasses import dataclass
 from typing import Optional
 
+from schemas import environments
 from schemas.errors import DecodeError, ValidationError
 from schemas.packing import unpack_floats
-from schemas.records import EpisodeEnded, EpisodeStarted, PolicyTurn, RolloutEvent, SandboxResult
-from schemas.tasks import DOMAINS
+from schemas.records import (
+    DEMONSTRATION_VERSION,
+    EpisodeEnded,
+    EpisodeStarted,
+    PolicyTurn,
+    RolloutEvent,
+    SandboxResult,
+)
+from schemas.tasks import DOMAINS, is_domain
 from streams import fastcodec
 
 END_STATUSES = ("completed", "truncated", "aborted", "error")
@@ -71,11 +79,18 @@ def _check_envelope(event: RolloutEvent) -> None:
     for name in ENVELOPE_FIELDS:
         if not getattr(event, name):
             _reject("missing_field", f"envelope field {name!r} is empty")
-    if event.domain not in DOMAINS:
-        _reject("unknown_domain", f"domain {event.domain!r} is not one of {', '.join(DOMAINS)}")
-    if event.ts <= 0 or event.policy_version < 0 or event.seq < 0:
+    if not is_domain(event.domain):
+        _reject("unknown_domain", f"domain {event.domain!r} is not one of {', '.join(DOMAINS)} nor rg/<generator> "
+                                  "nor env/<name>")
+    environment = environments.name_of(event.domain)
+    if environment is not None and not environments.is_installed(environment):
+        _reject("unknown_environment", f"environment {environment!r} (domain {event.domain}) is not installed in "
+                                       f"this worker: no entry point {environment!r} in group "
+                                       f"{environments.ENVIRONMENTS_GROUP}; install the package that provides it")
+    version_ok = event.policy_version >= 0 or event.policy_version == DEMONSTRATION_VERSION
+    if event.ts <= 0 or not version_ok or event.seq < 0:
         _reject("bad_step", f"ts={event.ts}, policy_version={event.policy_version}, seq={event.seq}: "
-                            "each must be >= 0 (ts > 0)")
+                            f"each must be >= 0 (ts > 0; policy_version {DEMONSTRATION_VERSION} marks a demonstration)")
 
 
 def _check_started(body: EpisodeStarted, limits: Limits) -> None:

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from infra.settings import Settings
+
+if TYPE_CHECKING:
+    from infra.launcher import Launcher
 
 
 def docker_engine_answers() -> bool:
@@ -38,12 +41,17 @@ def containers_stack() -> Iterator[Settings]:
 
 
 @contextlib.contextmanager
-def launcher_stack() -> Iterator[Settings]:
+def launcher_stack(launcher: "Launcher | None" = None) -> Iterator[Settings]:
     from infra.launcher import Launcher
 
-    launcher = Launcher()
+    launcher = launcher or Launcher()
+    running = all(server["ready"] for server in launcher.status().values())
     launcher.up()  # idempotent: reuses servers that .ci/run or a developer already started
-    yield launcher.settings()
+    try:
+        yield launcher.settings()
+    finally:
+        if not running:  # started here: stopped here, so a test run leaves no server behind
+            launcher.down()
 
 
 def real_stack() -> contextlib.AbstractContextManager[Settings]:

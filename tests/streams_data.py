@@ -1,4 +1,4 @@
-"""A recorded stream for the streams tests: groups of episodes in all three domains, with what must come out.
+"""A recorded stream for the streams tests: groups of episodes in every kind of domain, with what must come out.
 
     stream = recorded_stream()
     stream.messages          # [(key, value)] in log order: episodes interleaved, bad and duplicate events mixed in
@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from producers.tasks.reasoning_gym import ReasoningGymDomain
 from schemas.codec import codec
 from schemas.keys import trajectory_id
 from schemas.packing import pack_floats, pack_ids
@@ -28,7 +29,10 @@ from schemas.records import (
 )
 from schemas.tasks import encode_task_spec, make_spec
 
+RG = "rg/leg_counting"  # a reasoning-gym domain: scored by re-generating the task
+_RG_TASK = ReasoningGymDomain("leg_counting", seed=0, size=8)[3]
 SPECS = {
+    RG: _RG_TASK.task_spec,
     "code": encode_task_spec(make_spec("code", entry_point="add", tests="def check(candidate): pass")),
     "math": encode_task_spec(make_spec("math", answer="7")),
     "table": encode_task_spec(make_spec("table", answer="38.25", tolerance=0.01, cells=[
@@ -38,6 +42,7 @@ TEXTS = {  # (right, wrong) final texts per domain
     "code": ("    return a + b\n", "    return a - b\n"),
     "math": ("3 + 4 = 7. The answer is 7", "3 + 4 = 8. The answer is 8"),
     "table": ("Revenue 400 gives a margin of 38.25", "the margin is 12"),
+    RG: (f"Counting every leg. Answer: {_RG_TASK.spec['answer']}", "Answer: 999999"),
 }
 BASE_TS = 1_760_000_000_000
 
@@ -51,6 +56,7 @@ class Episode:
     right: bool
     status: Optional[str] = "completed"  # None: never ends (abandoned by the sweeper)
     turns: int = 1
+    task: Optional[str] = None  # default: "<domain>/<group id>", a task of its own
 
     @property
     def trajectory_id(self) -> str:
@@ -105,7 +111,7 @@ def bodies(ep: Episode) -> list[Body]:
 
 def events_of(ep: Episode, ts: int, run: str = "recorded") -> list[RolloutEvent]:
     return [RolloutEvent(event_id=f"{ep.episode_id}-e{i:03d}", run=run, episode_id=ep.episode_id,
-                         group_id=ep.group_id, task_id=f"{ep.domain}/{ep.group_id}", domain=ep.domain,
+                         group_id=ep.group_id, task_id=ep.task or f"{ep.domain}/{ep.group_id}", domain=ep.domain,
                          policy_version=0, producer_id="recorder", ts=ts + i, seq=i, body=body)
             for i, body in enumerate(bodies(ep))]
 
@@ -113,7 +119,7 @@ def events_of(ep: Episode, ts: int, run: str = "recorded") -> list[RolloutEvent]
 def groups_plan(groups_per_domain: int, group_size: int) -> list[list[Episode]]:
     """Mixed-reward groups in every domain, plus the special cases the stages must handle."""
     plan = []
-    for d, domain in enumerate(("code", "math", "table")):
+    for d, domain in enumerate(("code", "math", "table", RG)):
         for g in range(groups_per_domain):
             gid = f"g-{domain}-{g}"
             plan.append([Episode(f"ep-{gid}-{i}", gid, domain, group_size, right=(i + g) % 2 == 0,
@@ -161,6 +167,8 @@ def bad_messages(good: RolloutEvent) -> list[tuple[str, bytes, bytes]]:
                                                       body=replace(turn, logprobs=pack_floats([-0.5]))))),
         ("unknown_domain", key, codec.encode(replace(base, event_id=base.event_id + "4", domain="chess",
                                                      body=started))),
+        ("unknown_environment", key, codec.encode(replace(base, event_id=base.event_id + "4e",
+                                                          domain="env/not-installed", body=started))),
         ("missing_field", key, codec.encode(replace(base, event_id="", body=started))),
         ("bad_step", key, codec.encode(replace(base, event_id=base.event_id + "5", body=SandboxResult(
             turn=7, outcome="passed", tests_passed=1, tests_total=1, stdout="", stderr="", duration_ms=1,

@@ -76,6 +76,14 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def prompt(self, text: str) -> list[int]:
+        """A task prompt as the policy sees it (a chat model's user turn, else the plain encoding)."""
+        ...
+
+    def completion(self, text: str) -> list[int]:
+        """Text the policy would generate after a prompt, ended by its EOS (demonstrations)."""
+        ...
+
     def decode(self, ids: Sequence[int]) -> str: ...
 
     @property

@@ -29,6 +29,21 @@ class PolicyTokenizer:
             ids.pop()
         return ids
 
+    def prompt(self, text: str) -> list[int]:
+        """Token ids of a task prompt as the policy should see it: a chat model's user turn and the start of
+        its answer (its own chat template), plain text for a model without one (the byte-level model)."""
+        if getattr(self.hf, "chat_template", None):
+            ids = self.hf.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              tokenize=True)
+            return [int(i) for i in (ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)]
+        return self.encode(text)
+
+    def completion(self, text: str) -> list[int]:
+        """Token ids of text the policy would generate after a prompt: no specials, then its EOS."""
+        ids = [i for i in self.hf(text, add_special_tokens=False)["input_ids"] if i not in self._eos]
+        eos = self.hf.eos_token_id if self.hf.eos_token_id in self._eos else min(self._eos)
+        return ids + [int(eos)]
+
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.hf.decode(list(ids), skip_special_tokens=True))
 

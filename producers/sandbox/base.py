@@ -35,6 +35,7 @@ class RawRun:
     timed_out: bool = False            # the host's wall clock ran out and killed the run
     oom_killed: bool = False           # a memory cgroup killed it (docker)
     infra_error: str | None = None     # the backend could not run it at all
+    report: bytes | None = None        # what the harness wrote to its report pipe (backends that give one)
 
 
 class Backend(Protocol):

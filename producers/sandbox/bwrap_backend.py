@@ -2,9 +2,11 @@
 
 Inside the sandbox the program sees /usr (and the /bin, /lib, /lib64, /sbin links or binds of a
 merged-/usr system), the interpreter's install prefix, /etc/ld.so.cache, a private /proc and /dev, a
-size-capped tmpfs /tmp, and the run's work dir at /sandbox, the one writable host directory. Nothing else
-of the host exists there: no /work, /home, /root (beyond the bound prefix), no /etc/passwd. The root is
-remounted read-only. The network namespace is new: only its own loopback, so neither the internet nor
+size-capped tmpfs /tmp, and its work dir /sandbox: another size-capped tmpfs (`Limits.disk_mb`) into which
+bwrap copies the job's files. No host directory is writable from inside, so a run cannot fill the host's
+disk; the harness hands its report back through a pipe (fd REPORT_FD) that only the judge holds. Nothing
+else of the host exists there: no /work, /home, /root (beyond the bound prefix), no /etc/passwd. The root
+is remounted read-only. The network namespace is new: only its own loopback, so neither the internet nor
 services listening on the host's loopback are reachable.
 
 As an unprivileged user, `--unshare-all` adds a user namespace; RLIMIT_NPROC set inside it counts that
@@ -20,7 +22,7 @@ import shutil
 import signal
 from pathlib import Path
 
-from producers.sandbox import identity
+from producers.sandbox import cgroups, identity
 from producers.sandbox.base import (
     PYTHON_FLAGS,
     SANDBOX_DIR,
@@ -29,13 +31,16 @@ from producers.sandbox.base import (
     host_interpreter,
     interpreter_prefix,
 )
+from producers.sandbox.cgroups import RunCgroup
 from producers.sandbox.process import run_process
 from producers.sandbox.results import Limits
+from producers.sandbox.workdir import JOB_FILES, REPORT_MAX_BYTES
 
 ROOT_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64")
 ETC_FILES = ("/etc/ld.so.cache",)
 PRIVILEGED_NAMESPACES = ("--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
                          "--unshare-cgroup-try", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID")
+PROCESS_HEADROOM = 8  # the cgroup's process limit counts bwrap, setpriv and the judge beside the program's
 SIGNAL_EXIT_BASE = 128  # bwrap reports a child killed by signal N as exit status 128 + N
 
 
@@ -48,6 +53,9 @@ class BwrapBackend:
     nproc_mode = "absolute"
 
     def __init__(self, python: str | None = None, bwrap: str = "bwrap") -> None:
+        # A run's memory (all its processes and tmpfs pages) is bounded by a cgroup where one can be made;
+        # elsewhere by processes x RLIMIT_AS (Limits.processes x Limits.memory_mb) plus the two tmpfs sizes.
+        self.bounds_run_memory = cgroups.unavailable_reason() is None
         found = shutil.which(bwrap)
         if found is None:
             raise SandboxUnavailable("bwrap is not installed (Debian/Ubuntu: apt-get install -y bubblewrap)")
@@ -62,23 +70,46 @@ class BwrapBackend:
 
     def execute(self, workdir: Path, limits: Limits) -> RawRun:
         uid = identity.fresh_uid() if self._setpriv else None
-        if uid is not None:
-            identity.hand_over(workdir, uid)
-        raw = run_process(self.argv(workdir, limits, uid), cwd="/", env={"PATH": "/usr/bin:/bin"},
-                          wall_time_s=limits.wall_time_s, output_bytes=limits.output_bytes)
+        inputs = {name: os.open(workdir / name, os.O_RDONLY) for name in JOB_FILES if (workdir / name).exists()}
+        report_r, report_w = os.pipe()
+        group = RunCgroup.create(limits.run_memory_bytes, limits.processes + PROCESS_HEADROOM) \
+            if self.bounds_run_memory else None
+        try:
+            argv = self.argv(inputs, report_w, limits, uid)
+            raw = run_process(argv if group is None else group.wrap(argv), cwd="/", env={"PATH": "/usr/bin:/bin"},
+                              wall_time_s=limits.wall_time_s, output_bytes=limits.output_bytes,
+                              pass_fds=(*inputs.values(), report_w))
+            os.close(report_w)
+            report_w = -1
+            raw.report = _read_available(report_r, REPORT_MAX_BYTES)
+            raw.oom_killed = group is not None and group.oom_killed()
+        finally:
+            for fd in (*inputs.values(), report_r, report_w):
+                if fd >= 0:
+                    os.close(fd)
+            if group is not None:
+                group.remove()
         return _decode_status(raw)
 
-    def argv(self, workdir: Path, limits: Limits, uid: int | None) -> list[str]:
-        """The full bwrap command line for one run (also handy to read what the sandbox contains)."""
+    def argv(self, inputs: dict[str, int], report_fd: int, limits: Limits, uid: int | None) -> list[str]:
+        """The full bwrap command line for one run (also handy to read what the sandbox contains).
+
+        `inputs`: the job's files (name -> an fd open on them), copied into the run's tmpfs; `report_fd`:
+        where the harness writes its report.
+        """
+        copies = [arg for name, fd in inputs.items() for arg in ("--perms", "0644", "--file", str(fd),
+                                                                 f"{SANDBOX_DIR}/{name}")]
         return [self.bwrap, "--die-with-parent", "--new-session", *self._namespaces(),
                 *_system_binds(), *_prefix_binds(self.prefix), *_etc_binds(),
                 "--proc", "/proc", "--dev", "/dev",
                 "--perms", "1777", "--size", str(limits.file_bytes), "--tmpfs", "/tmp",
-                "--bind", str(workdir), SANDBOX_DIR, "--remount-ro", "/", "--chdir", SANDBOX_DIR,
+                # 0777, not sticky: the judge (the sandbox uid) deletes the nonce and tests bwrap wrote
+                "--perms", "0777", "--size", str(limits.disk_bytes), "--tmpfs", SANDBOX_DIR, *copies,
+                "--remount-ro", "/", "--chdir", SANDBOX_DIR,
                 "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", SANDBOX_DIR,
                 "--setenv", "TMPDIR", "/tmp", "--setenv", "LC_ALL", "C.UTF-8",
                 *self._drop_privileges(uid),
-                self.python, *PYTHON_FLAGS, f"{SANDBOX_DIR}/harness.py", SANDBOX_DIR]
+                self.python, *PYTHON_FLAGS, f"{SANDBOX_DIR}/harness.py", SANDBOX_DIR, str(report_fd)]
 
     def _namespaces(self) -> tuple[str, ...]:
         return PRIVILEGED_NAMESPACES if self._setpriv else ("--unshare-all",)
@@ -122,6 +153,22 @@ def _etc_binds() -> list[str]:
     for path in files:
         args += ["--ro-bind", path, path]
     return args
+
+
+def _read_available(fd: int, limit: int) -> bytes | None:
+    """What the pipe holds now (its writers are gone), up to limit + 1 bytes; None when empty."""
+    os.set_blocking(fd, False)
+    chunks, size = [], 0
+    while size <= limit:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks) or None
 
 
 def _decode_status(raw: RawRun) -> RawRun:

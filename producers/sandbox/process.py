@@ -34,12 +34,14 @@ class _Capture:
 
 def run_process(argv: Sequence[str], *, cwd: str, env: dict[str, str], wall_time_s: float,
                 output_bytes: int, user: int | None = None,
-                cleanup: Callable[[], None] | None = None) -> RawRun:
-    """Run argv in a new session; on exit or deadline kill its process group and call `cleanup`."""
+                cleanup: Callable[[], None] | None = None, pass_fds: Sequence[int] = ()) -> RawRun:
+    """Run argv in a new session; on exit or deadline kill its process group and call `cleanup`.
+    `pass_fds`: descriptors the child inherits (every other one is closed)."""
     try:
         proc = subprocess.Popen(list(argv), cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                user=user, group=user, extra_groups=None if user is None else [])
+                                user=user, group=user, extra_groups=None if user is None else [],
+                                pass_fds=tuple(pass_fds))
     except OSError as exc:
         return RawRun(infra_error=f"cannot start {argv[0]}: {exc}")
     assert proc.stdout is not None and proc.stderr is not None  # both were asked for as pipes

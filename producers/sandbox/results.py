@@ -29,9 +29,12 @@ class Limits:
     processes: int = 32
     output_bytes: int = 64 * 1024  # per stream (stdout, stderr)
     file_size_mb: int = 16         # largest file the program may write; also the size of its /tmp
+    disk_mb: int = 64              # all the program may write in its work dir (an isolating backend's tmpfs)
+    run_memory_mb: int = 1024      # every process of the run and its tmpfs pages together (a memory cgroup)
 
     def __post_init__(self) -> None:
-        for name in ("wall_time_s", "cpu_time_s", "memory_mb", "processes", "output_bytes", "file_size_mb"):
+        for name in ("wall_time_s", "cpu_time_s", "memory_mb", "processes", "output_bytes", "file_size_mb",
+                     "disk_mb", "run_memory_mb"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ConfigError(f"Limits.{name} must be a positive number, got {value!r}")
@@ -50,6 +53,14 @@ class Limits:
     @property
     def file_bytes(self) -> int:
         return self.file_size_mb * 1024 * 1024
+
+    @property
+    def run_memory_bytes(self) -> int:
+        return self.run_memory_mb * 1024 * 1024
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.disk_mb * 1024 * 1024
 
 
 @dataclass(frozen=True)

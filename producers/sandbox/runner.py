@@ -34,7 +34,7 @@ def run_tests(solution_code: str, test_code: str, entry_point: str, limits: Limi
     job = _job(solution_code, tests, entry_point, limits, chosen)
     with job_dir(job, tests.source) as workdir:
         raw = _execute(chosen, workdir.path, limits)
-        report = read_report(workdir)
+        report = read_report(workdir, raw.report)
     return classify(raw, report, RunFacts(limits, tests.assert_count, chosen.name, _elapsed_ms(started)))
 
 

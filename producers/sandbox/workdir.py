@@ -17,6 +17,7 @@ from typing import Any, Iterator
 from producers.sandbox.results import OUTCOMES
 
 HARNESS_SOURCE = Path(__file__).with_name("harness.py")
+JOB_FILES = ("harness.py", "job.marshal", "tests.py", "nonce")  # what a run's work dir starts with
 REPORT_MAX_BYTES = 1 << 20  # a report is a few KB; anything bigger was not written by the harness
 REPORT_HEADER = "trajpipe-report 2"  # must equal harness.REPORT_HEADER
 # The job holds only str, int, bool and None, which every marshal version since 2 encodes alike, so
@@ -42,28 +43,40 @@ class Report:
 
 
 @contextmanager
-def job_dir(job: dict[str, Any], tests_source: str) -> Iterator[JobDir]:
-    """A fresh 0700 directory holding harness.py, job.marshal, tests.py and the nonce; removed afterwards."""
+def job_dir(job: dict[str, Any], tests_source: str | None, harness: Path = HARNESS_SOURCE) -> Iterator[JobDir]:
+    """A fresh 0700 directory holding harness.py (`harness`), job.marshal, tests.py (when given) and the
+    nonce; removed afterwards."""
     path = Path(tempfile.mkdtemp(prefix="trajpipe-sandbox-"))
     nonce = secrets.token_hex(16)
     try:
-        shutil.copyfile(HARNESS_SOURCE, path / "harness.py")
+        shutil.copyfile(harness, path / "harness.py")
         (path / "job.marshal").write_bytes(marshal.dumps(job, MARSHAL_VERSION))
-        (path / "tests.py").write_text(tests_source, encoding="utf-8")
+        if tests_source is not None:
+            (path / "tests.py").write_text(tests_source, encoding="utf-8")
         (path / "nonce").write_text(nonce, encoding="ascii")
         yield JobDir(path, nonce)
     finally:
         remove_tree(path)
 
 
-def read_report(job: JobDir) -> Report | None:
-    """The harness's report, or None when it is missing, malformed, or its digest does not match."""
-    data = _read_regular_file(job.path / "result.txt", REPORT_MAX_BYTES)
-    if data is None:
+def read_signed(job: JobDir, piped: bytes | None, header: str, limit: int) -> bytes | None:
+    """The body of a report written by an in-sandbox program (from its pipe when the backend gave one, else
+    result.txt in the work dir, never through a link), or None when it is missing, over `limit` bytes, has
+    another header, or its digest does not match."""
+    data = piped if piped is not None else _read_regular_file(job.path / "result.txt", limit)
+    if data is None or len(data) > limit:
         return None
-    header, _, rest = data.partition(b"\n")
+    found, _, rest = data.partition(b"\n")
     digest, _, body = rest.partition(b"\n")
-    if header != REPORT_HEADER.encode() or not hmac.compare_digest(digest, _digest(job.nonce, body)):
+    if found != header.encode() or not hmac.compare_digest(digest, _digest(job.nonce, body)):
+        return None
+    return body
+
+
+def read_report(job: JobDir, piped: bytes | None = None) -> Report | None:
+    """The harness's report, or None when it is missing, malformed, or its digest does not match."""
+    body = read_signed(job, piped, REPORT_HEADER, REPORT_MAX_BYTES)
+    if body is None:
         return None
     fields = body.decode("utf-8", "replace").split("\n", 3)
     if len(fields) != 4:

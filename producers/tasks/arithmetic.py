@@ -43,10 +43,21 @@ class ReasoningGymSource:
         spec = make_spec("math", answer=str(item["answer"]), source=f"reasoning_gym:{generator}",
                          seed=self.seed, index=item_index)
         return Task(task_id=f"{generator}/{self.seed}/{item_index}", domain="math",
-                    prompt=f"{item['question']}\nAnswer:", spec=spec)
+                    prompt=f"{item['question']}\nAnswer:", spec=spec, demonstration=f" {item['answer']}")
 
 
-class DigitAdditionSource:
+class _ShuffledPairs:
+    """Every (a, b) pair of an addition source, in an order shuffled by `seed`."""
+
+    def __init__(self, pairs: list[tuple[int, int]], seed: int) -> None:
+        random.Random(seed).shuffle(pairs)
+        self.seed, self._pairs = seed, pairs
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+
+class DigitAdditionSource(_ShuffledPairs):
     """Prompts "a+b=" with a + b <= 9, so the answer is one digit: learnable by a byte-level CPU model in minutes.
 
     All 55 pairs, in an order shuffled by `seed`.
@@ -56,14 +67,30 @@ class DigitAdditionSource:
     domain = "math"
 
     def __init__(self, seed: int = 0, max_sum: int = 9) -> None:
-        pairs = [(a, b) for a in range(10) for b in range(10) if a + b <= max_sum]
-        random.Random(seed).shuffle(pairs)
-        self.seed, self._pairs = seed, pairs
-
-    def __len__(self) -> int:
-        return len(self._pairs)
+        super().__init__([(a, b) for a in range(10) for b in range(10) if a + b <= max_sum], seed)
 
     def __getitem__(self, index: int) -> Task:
         a, b = self._pairs[index]
         spec = make_spec("math", answer=str(a + b), source="builtin:digit_add", seed=self.seed, index=index)
-        return Task(task_id=f"digit_add/{a}+{b}", domain="math", prompt=f"{a}+{b}=", spec=spec)
+        return Task(task_id=f"digit_add/{a}+{b}", domain="math", prompt=f"{a}+{b}=", spec=spec,
+                    demonstration=str(a + b))
+
+
+class QuestionAdditionSource(_ShuffledPairs):
+    """"What is a + b?" for a, b in 1..20, asked in words: a pretrained chat model's level (SmolLM2-135M
+    answers about a third of them greedily in 32 tokens), with room for RL to teach short, right answers.
+
+    All 400 pairs, in an order shuffled by `seed`.
+    """
+
+    name = "add"
+    domain = "math"
+
+    def __init__(self, seed: int = 0, low: int = 1, high: int = 20) -> None:
+        super().__init__([(a, b) for a in range(low, high + 1) for b in range(low, high + 1)], seed)
+
+    def __getitem__(self, index: int) -> Task:
+        a, b = self._pairs[index]
+        spec = make_spec("math", answer=str(a + b), source="builtin:add", seed=self.seed, index=index)
+        return Task(task_id=f"add/{a}+{b}", domain="math", prompt=f"What is {a} + {b}? Answer with the number only.",
+                    spec=spec, demonstration=str(a + b))

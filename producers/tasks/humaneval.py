@@ -15,7 +15,7 @@ def _to_task(problem: dict[str, Any], max_turns: int, timeout_s: float) -> Task:
     spec = make_spec("code", entry_point=problem["entry_point"], tests=problem["test"],
                      prompt=problem["prompt"], timeout_s=timeout_s)
     return Task(task_id=problem["task_id"], domain="code", prompt=problem["prompt"], spec=spec,
-                max_turns=max_turns)
+                max_turns=max_turns, demonstration=problem["canonical_solution"])
 
 
 class HumanEvalSource:

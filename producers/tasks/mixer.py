@@ -11,6 +11,7 @@ from schemas.errors import PipelineError
 
 ALWAYS_SOLVED = "always_solved"
 NEVER_SOLVED = "never_solved"
+DOMAIN = "domain_"  # a skip of a whole source: domain_always_solved, domain_never_solved
 
 
 class TasksExhausted(PipelineError):
@@ -19,19 +20,26 @@ class TasksExhausted(PipelineError):
 
 @dataclass(frozen=True)
 class Curriculum:
-    """Skip a task once it has `min_attempts` attempts and a pass rate of exactly 1.0 or 0.0.
+    """Skip a task once it has `min_attempts` attempts and a pass rate of exactly 1.0 or 0.0; skip a whole
+    source (a domain) once the tasks drawn from it have `domain_min_attempts` attempts together, all passed
+    or none (with a hundred domains, single tasks come round too rarely to gather attempts of their own).
 
     Such a task gives every sample of a GRPO group the same reward: zero advantage, no gradient.
     """
 
     min_attempts: int = 8
+    domain_min_attempts: int = 32
 
-    def verdict(self, attempts: int, passes: int) -> str | None:
-        if attempts < self.min_attempts:
+    def verdict(self, attempts: int, passes: int, at_least: int | None = None) -> str | None:
+        if attempts < (self.min_attempts if at_least is None else at_least):
             return None
         if passes >= attempts:
             return ALWAYS_SOLVED
         return NEVER_SOLVED if passes == 0 else None
+
+    def domain_verdict(self, attempts: int, passes: int) -> str | None:
+        found = self.verdict(attempts, passes, self.domain_min_attempts)
+        return None if found is None else DOMAIN + found
 
 
 class _Cursor:
@@ -67,7 +75,8 @@ class TaskMixer:
         mixer = TaskMixer([load_source("math-easy"), load_source("table")], {"math": 0.8, "table": 0.2}, seed=0)
         task = mixer.next()
         mixer.update_stats(task.task_id, attempts=8, passes=8)   # from the TaskStats topic
-        mixer.skips                                               # Counter: always_solved / never_solved
+        mixer.skips                                               # Counter: always_solved / never_solved,
+                                                                  # domain_always_solved / domain_never_solved
     """
 
     def __init__(self, sources: Sequence[TaskSource], weights: Mapping[str, float] | None = None, seed: int = 0,
@@ -81,6 +90,7 @@ class TaskMixer:
         self.curriculum = curriculum
         self.skips: Counter[str] = Counter()
         self.drawn: Counter[str] = Counter()
+        self.drawn_ids: list[set[str]] = [set() for _ in self.sources]  # per source: the task ids it gave
         self._rng = random.Random(seed)
         self._cursors = [_Cursor(s, random.Random(f"{seed}:{s.name}")) for s in self.sources]
 
@@ -91,6 +101,13 @@ class TaskMixer:
         if self.curriculum is None or task_id not in self.stats:
             return None
         return self.curriculum.verdict(*self.stats[task_id])
+
+    def domain_skip_reason(self, pick: int) -> str | None:
+        """Why source `pick` is skipped as a whole, from the pooled stats of the tasks drawn from it."""
+        if self.curriculum is None:
+            return None
+        counted = [self.stats[t] for t in self.drawn_ids[pick] if t in self.stats]
+        return self.curriculum.domain_verdict(sum(a for a, _ in counted), sum(p for _, p in counted))
 
     def _draw_from(self, cursor: _Cursor) -> Task | None:
         # One full pass over the source at most: after that every task of it is skipped.
@@ -106,9 +123,13 @@ class TaskMixer:
         live = list(range(len(self.sources)))
         while live:
             pick = self._rng.choices(live, weights=[self.weights[i] for i in live])[0]
-            task = self._draw_from(self._cursors[pick]) if self.weights[pick] > 0 else None
+            domain = self.domain_skip_reason(pick) if self.weights[pick] > 0 else None
+            if domain is not None:
+                self.skips[domain] += 1
+            task = self._draw_from(self._cursors[pick]) if self.weights[pick] > 0 and domain is None else None
             if task is not None:
                 self.drawn[self.sources[pick].name] += 1
+                self.drawn_ids[pick].add(task.task_id)
                 return task
             live.remove(pick)
         raise TasksExhausted("the curriculum skips every task of every source (always or never solved); "

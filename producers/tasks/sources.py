@@ -4,30 +4,45 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
-from producers.tasks.arithmetic import DigitAdditionSource, ReasoningGymSource
+from producers.tasks import environments
+from producers.tasks.arithmetic import DigitAdditionSource, QuestionAdditionSource, ReasoningGymSource
 from producers.tasks.humaneval import HumanEvalSource
+from producers.tasks.reasoning_gym import PREFIX, ReasoningGymDomain
+from producers.tasks.strings import StringReversalSource
 from producers.tasks.table_qa import TableQASource
 from producers.tasks.task import TaskSource
+from producers.tasks.terminal import TerminalSource
 from schemas.errors import ConfigError
 
 SOURCES: dict[str, Callable[..., TaskSource]] = {
+    "add": QuestionAdditionSource,
     "humaneval": HumanEvalSource,
     "math": ReasoningGymSource,
     "math-easy": DigitAdditionSource,
+    "reverse": StringReversalSource,
     "table": TableQASource,
+    "terminal": TerminalSource,
 }
 
 
 def seeded_source(name: str, seed: int) -> TaskSource:
     """A source by name with `seed` when it takes one (HumanEval is a fixed list and takes none)."""
+    if name.startswith((PREFIX, environments.PREFIX)):
+        return load_source(name, seed=seed)
     accepts_seed = "seed" in inspect.signature(SOURCES[name]).parameters if name in SOURCES else False
     return load_source(name, seed=seed) if accepts_seed else load_source(name)
 
 
 def load_source(name: str, **kwargs: Any) -> TaskSource:
-    """A task source by name; kwargs go to its constructor (seed, size, ...)."""
+    """A task source by name (or `rg:<generator>`, a reasoning-gym dataset, or `env:<name>`, an installed
+    environment); kwargs go to its constructor."""
+    if name.startswith(PREFIX):
+        return ReasoningGymDomain(name.removeprefix(PREFIX), **kwargs)
+    if name.startswith(environments.PREFIX):
+        return environments.EnvironmentSource(name.removeprefix(environments.PREFIX), **kwargs)
     if name not in SOURCES:
-        raise ConfigError(f"unknown task source {name!r}; choose one of {sorted(SOURCES)}")
+        raise ConfigError(f"unknown task source {name!r}; choose one of {sorted(SOURCES)}, or rg:<dataset> / rg:*, "
+                          "or env:<name> / env:* (installed environments)")
     try:
         return SOURCES[name](**kwargs)
     except TypeError as exc:

@@ -23,7 +23,9 @@ class SplitSource:
         self.source, self.split = source, split
         self.name, self.domain = source.name, source.domain
         keep = (lambda t: True) if split == "all" else (lambda t: is_heldout(t, every) == (split == "heldout"))
-        self._index = [i for i in range(len(source)) if keep(source[i].task_id)]
+        # A source that names its tasks without making them (task_id(i)) spares making every one here.
+        task_id = getattr(source, "task_id", None) or (lambda i: source[i].task_id)
+        self._index = [i for i in range(len(source)) if keep(task_id(i))]
         if not self._index:
             raise ConfigError(f"task source {source.name!r} has no {split} tasks")
 

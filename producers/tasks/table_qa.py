@@ -1,4 +1,12 @@
-"""Table QA tasks: seeded financial statements as text tables, with questions needing lookup and arithmetic."""
+"""Table QA tasks: seeded financial documents as text, with questions needing lookup and arithmetic.
+
+Each task shows three documents of one company: an income statement and a balance sheet (two fiscal years
+each) and a letter to shareholders that quotes a few figures (sometimes wrongly). Questions read one
+statement (margins, growth between the two periods, liquidity), combine both statements (return on assets,
+return on equity, asset turnover), or check one document against another (the letter's figure against the
+statement's). The spec names every cell the answer needs, in whichever document it is, and the
+demonstration shows the cells and the calculation before the answer.
+"""
 from __future__ import annotations
 
 import random
@@ -13,6 +21,7 @@ from schemas.tasks import make_spec
 
 INCOME = "Income statement"
 BALANCE = "Balance sheet"
+LETTER = "Letter to shareholders"
 _PREFIXES = ("Norvex", "Aldera", "Brightwater", "Calder", "Dunmore", "Everline", "Fairholt", "Greystone",
              "Harrow", "Ironvale", "Juniper", "Kestrel", "Lumen", "Meridian", "Northgate", "Oakridge")
 _SUFFIXES = ("Industries", "Holdings", "Systems", "Foods", "Logistics", "Energy", "Retail", "Labs")
@@ -75,15 +84,16 @@ def _statement(title: str, labels: tuple[str, ...], years: tuple[str, str], colu
 
 @dataclass(frozen=True)
 class QuestionKind:
-    """A question: the cells it needs as (row, year offset: 0 the asked year, -1 the year before)."""
+    """A question: the cells it needs as (document, row, year offset: 0 the asked year, -1 the year before),
+    how they combine, and how the calculation reads (`calc`, formatted with the values v0, v1, ...)."""
 
     name: str
-    statement: str
-    cells: tuple[tuple[str, int], ...]
+    cells: tuple[tuple[str, str, int], ...]
     formula: Callable[[list[Fraction]], Fraction]
     unit: str
     decimals: int
     text: str
+    calc: str
 
 
 def _ratio(v: list[Fraction]) -> Fraction:
@@ -99,26 +109,46 @@ def _growth(v: list[Fraction]) -> Fraction:
 
 
 KINDS = (
-    QuestionKind("gross_margin", INCOME, (("Gross profit", 0), ("Revenue", 0)), _percent, "percent", 2,
-                 "What was the gross margin in {year}?"),
-    QuestionKind("operating_margin", INCOME, (("Operating income", 0), ("Revenue", 0)), _percent, "percent", 2,
-                 "What was the operating margin in {year}?"),
-    QuestionKind("net_margin", INCOME, (("Net income", 0), ("Revenue", 0)), _percent, "percent", 2,
-                 "What was the net profit margin in {year}?"),
-    QuestionKind("net_income_growth", INCOME, (("Net income", 0), ("Net income", -1)), _growth, "percent", 2,
-                 "By what percentage did net income change from {prev} to {year}?"),
-    QuestionKind("revenue_growth", INCOME, (("Revenue", 0), ("Revenue", -1)), _growth, "percent", 2,
-                 "By what percentage did revenue change from {prev} to {year}?"),
-    QuestionKind("current_ratio", BALANCE, (("Total current assets", 0), ("Total current liabilities", 0)),
-                 _ratio, "ratio", 2, "What was the current ratio at the end of {year}?"),
-    QuestionKind("debt_to_equity", BALANCE,
-                 (("Short-term debt", 0), ("Long-term debt", 0), ("Shareholders' equity", 0)),
+    QuestionKind("gross_margin", ((INCOME, "Gross profit", 0), (INCOME, "Revenue", 0)), _percent, "percent", 2,
+                 "What was the gross margin in {year}?", "{v0:,} / {v1:,} x 100"),
+    QuestionKind("operating_margin", ((INCOME, "Operating income", 0), (INCOME, "Revenue", 0)), _percent,
+                 "percent", 2, "What was the operating margin in {year}?", "{v0:,} / {v1:,} x 100"),
+    QuestionKind("net_margin", ((INCOME, "Net income", 0), (INCOME, "Revenue", 0)), _percent, "percent", 2,
+                 "What was the net profit margin in {year}?", "{v0:,} / {v1:,} x 100"),
+    QuestionKind("net_income_growth", ((INCOME, "Net income", 0), (INCOME, "Net income", -1)), _growth,
+                 "percent", 2, "By what percentage did net income change from {prev} to {year}?",
+                 "({v0:,} - {v1:,}) / {v1:,} x 100"),
+    QuestionKind("revenue_growth", ((INCOME, "Revenue", 0), (INCOME, "Revenue", -1)), _growth, "percent", 2,
+                 "By what percentage did revenue change from {prev} to {year}?", "({v0:,} - {v1:,}) / {v1:,} x 100"),
+    QuestionKind("current_ratio", ((BALANCE, "Total current assets", 0), (BALANCE, "Total current liabilities", 0)),
+                 _ratio, "ratio", 2, "What was the current ratio at the end of {year}?", "{v0:,} / {v1:,}"),
+    QuestionKind("debt_to_equity",
+                 ((BALANCE, "Short-term debt", 0), (BALANCE, "Long-term debt", 0), (BALANCE, "Shareholders' equity", 0)),
                  lambda v: (v[0] + v[1]) / v[2], "ratio", 2,
                  "What was the debt-to-equity ratio (short-term plus long-term debt over equity)"
-                 " at the end of {year}?"),
-    QuestionKind("working_capital", BALANCE, (("Total current assets", 0), ("Total current liabilities", 0)),
+                 " at the end of {year}?", "({v0:,} + {v1:,}) / {v2:,}"),
+    QuestionKind("working_capital", ((BALANCE, "Total current assets", 0), (BALANCE, "Total current liabilities", 0)),
                  lambda v: v[0] - v[1], "usd_thousands", 0,
-                 "What was the working capital (current assets minus current liabilities) at the end of {year}?"),
+                 "What was the working capital (current assets minus current liabilities) at the end of {year}?",
+                 "{v0:,} - {v1:,}"),
+    # across the two statements
+    QuestionKind("return_on_assets", ((INCOME, "Net income", 0), (BALANCE, "Total assets", 0)), _percent,
+                 "percent", 2, "What was the return on assets (net income over total assets at year end) in {year}?",
+                 "{v0:,} / {v1:,} x 100"),
+    QuestionKind("return_on_equity", ((INCOME, "Net income", 0), (BALANCE, "Shareholders' equity", 0)), _percent,
+                 "percent", 2, "What was the return on equity (net income over shareholders' equity at year end) in "
+                 "{year}?", "{v0:,} / {v1:,} x 100"),
+    QuestionKind("asset_turnover", ((INCOME, "Revenue", 0), (BALANCE, "Total assets", 0)), _ratio, "ratio", 2,
+                 "What was the asset turnover (revenue over total assets at year end) in {year}?", "{v0:,} / {v1:,}"),
+    # a consistency check of one document against another
+    QuestionKind("letter_net_income_check", ((LETTER, "Net income", 0), (INCOME, "Net income", 0)),
+                 lambda v: v[0] - v[1], "usd_thousands", 0,
+                 "The letter to shareholders quotes net income for {year}. By how much does its figure differ from "
+                 "the income statement's (letter minus statement; 0 if they agree)?", "{v0:,} - {v1:,}"),
+    QuestionKind("letter_assets_check", ((LETTER, "Total assets", 0), (BALANCE, "Total assets", 0)),
+                 lambda v: v[0] - v[1], "usd_thousands", 0,
+                 "The letter to shareholders quotes total assets at the end of {year}. By how much does its figure "
+                 "differ from the balance sheet's (letter minus balance sheet; 0 if they agree)?", "{v0:,} - {v1:,}"),
 )
 _UNIT_TEXT = {"percent": "Answer as a percentage rounded to {d} decimal places.",
               "ratio": "Answer as a number rounded to {d} decimal places.",
@@ -132,7 +162,7 @@ def round_half_up(value: Fraction, decimals: int) -> str:
     return f"{Decimal(digits).scaleb(-decimals):.{decimals}f}"
 
 
-def _company(rng: random.Random) -> tuple[str, tuple[str, str], Statement, Statement]:
+def _company(rng: random.Random) -> tuple[str, tuple[str, str], Statement, Statement, Statement]:
     name = f"{rng.choice(_PREFIXES)} {rng.choice(_SUFFIXES)}"
     first = rng.randint(2012, 2023)
     years = (f"FY{first}", f"FY{first + 1}")
@@ -140,33 +170,55 @@ def _company(rng: random.Random) -> tuple[str, tuple[str, str], Statement, State
     revenues = [revenue, round(revenue * rng.uniform(0.8, 1.4))]
     income = _statement(INCOME, INCOME_ROWS, years, [_income_year(rng, r) for r in revenues])
     balance = _statement(BALANCE, BALANCE_ROWS, years, [_balance_year(rng, r) for r in revenues])
-    return name, years, income, balance
+    quoted = []  # the letter quotes both figures of both years; a third of the quotes are misstated
+    for label, source in (("Net income", income), ("Total assets", balance)):
+        values = [source.value(label, y) for y in years]
+        quoted.append([v if rng.random() < 2 / 3 else v + rng.choice((-1, 1)) * rng.randint(1, max(1, v // 10))
+                       for v in values])
+    letter = _statement(LETTER, ("Net income", "Total assets"), years, [[q[0] for q in quoted], [q[1] for q in quoted]])
+    return name, years, income, balance, letter
 
 
-def _prompt(name: str, income: Statement, balance: Statement, question: str) -> str:
-    return (f"Financial statements of {name}.\n\n{income.render('USD thousands')}\n\n"
-            f"{balance.render('USD thousands, at fiscal year end')}\n\nQuestion: {question}\nAnswer:")
+def _letter_text(name: str, letter: Statement) -> str:
+    lines = [f"{LETTER} of {name}"]
+    for year in letter.years:
+        lines.append(f"In {year} we earned net income of USD {letter.value('Net income', year):,} thousand and "
+                     f"ended the year with total assets of USD {letter.value('Total assets', year):,} thousand.")
+    return "\n".join(lines)
 
 
-def _cells(statement: Statement, kind: QuestionKind, year: str) -> list[dict[str, Any]]:
-    at = statement.years.index(year)
-    return [{"statement": statement.title, "row": row, "column": statement.years[at + off],
-             "value": statement.value(row, statement.years[at + off])} for row, off in kind.cells]
+def _prompt(name: str, income: Statement, balance: Statement, letter: Statement, question: str) -> str:
+    return (f"Financial documents of {name}.\n\nDocument 1. {income.render('USD thousands')}\n\n"
+            f"Document 2. {balance.render('USD thousands, at fiscal year end')}\n\n"
+            f"Document 3. {_letter_text(name, letter)}\n\nQuestion: {question}\nAnswer:")
+
+
+def _cells(documents: dict[str, Statement], kind: QuestionKind, year: str) -> list[dict[str, Any]]:
+    cells = []
+    for title, row, off in kind.cells:
+        document = documents[title]
+        column = document.years[document.years.index(year) + off]
+        cells.append({"statement": title, "row": row, "column": column, "value": document.value(row, column)})
+    return cells
 
 
 def make_table_task(seed: int, index: int) -> Task:
     """The task at `index` of the seed's sequence: a pure function of (seed, index)."""
     rng = random.Random(f"table:{seed}:{index}")
-    name, years, income, balance = _company(rng)
+    name, years, income, balance, letter = _company(rng)
     kind = rng.choice(KINDS)
-    year = years[1] if any(off == -1 for _, off in kind.cells) else rng.choice(years)
-    cells = _cells(income if kind.statement == INCOME else balance, kind, year)
-    exact = kind.formula([Fraction(int(c["value"])) for c in cells])
+    year = years[1] if any(off == -1 for _, _, off in kind.cells) else rng.choice(years)
+    cells = _cells({INCOME: income, BALANCE: balance, LETTER: letter}, kind, year)
+    values = [int(c["value"]) for c in cells]
+    exact = kind.formula([Fraction(v) for v in values])
     question = kind.text.format(year=year, prev=years[0]) + " " + _UNIT_TEXT[kind.unit].format(d=kind.decimals)
     spec = make_spec("table", answer=round_half_up(exact, kind.decimals), decimals=kind.decimals,
                      tolerance=0.5 * 10 ** -kind.decimals, unit=kind.unit, kind=kind.name, cells=cells)
+    shown = "; ".join(f"{c['statement']}: {c['row']} {c['column']} = {c['value']:,}" for c in cells)
+    calculation = kind.calc.format(**{f"v{i}": v for i, v in enumerate(values)})
     return Task(task_id=f"table/{seed}/{index}", domain="table",
-                prompt=_prompt(name, income, balance, question), spec=spec)
+                prompt=_prompt(name, income, balance, letter, question), spec=spec,
+                demonstration=f"{shown}. {calculation} = {spec['answer']}. Answer: {spec['answer']}")
 
 
 class TableQASource:

@@ -93,17 +93,10 @@ def bench_formats(n: int) -> None:
           f"bytes x{rows[0][1] / rows[1][1]:.2f} (fixed 4-byte ids vs varints)")
 
 
-def bench_broker(n: int) -> None:
-    from infra.bootstrap import bootstrap
+def through_broker(settings: Any, topic: str, n: int) -> tuple[float, float, int]:
+    """(produced events/s with delivery confirmed, consumed+decoded events/s, bytes) for n PolicyTurn events."""
     from infra.kafka import Publisher, consumer
-    from infra.launcher import Launcher
 
-    launcher = Launcher()
-    launcher.up()
-    settings = launcher.settings()
-    ns = f"bench-{uuid.uuid4().hex[:8]}"
-    bootstrap(settings, ns)
-    topic = f"{ns}.rollout.events"
     rng = random.Random(1)
     events = [codec.encode(policy_turn_event(rng)) for _ in range(200)]
     pub = Publisher(settings)
@@ -112,7 +105,7 @@ def bench_broker(n: int) -> None:
         pub.send(topic, f"ep-{i % 512}".encode(), events[i % len(events)])
     pub.close()
     produce_s = time.perf_counter() - start
-    c = consumer(settings, f"{ns}-bench")
+    c = consumer(settings, f"{topic}-bench")
     c.subscribe([topic])
     got, nbytes = 0, 0
     start = time.perf_counter()
@@ -124,10 +117,23 @@ def bench_broker(n: int) -> None:
                 nbytes += len(msg.value())
     consume_s = time.perf_counter() - start
     c.close()
+    return n / produce_s, n / consume_s, nbytes
+
+
+def bench_broker(n: int) -> None:
+    from infra.bootstrap import bootstrap
+    from infra.launcher import Launcher
+
+    launcher = Launcher()
+    launcher.up()
+    settings = launcher.settings()
+    ns = f"bench-{uuid.uuid4().hex[:8]}"
+    bootstrap(settings, ns)
+    produce, consume, nbytes = through_broker(settings, f"{ns}.rollout.events", n)
     mb = nbytes / 1e6
     print(f"\nreal broker, {n} encoded PolicyTurn events ({nbytes / n:.0f} B each), idempotent producer, acks=all")
-    print(f"produce (delivery confirmed): {n / produce_s:,.0f} events/s, {mb / produce_s:.1f} MB/s")
-    print(f"consume + decode:             {n / consume_s:,.0f} events/s, {mb / consume_s:.1f} MB/s")
+    print(f"produce (delivery confirmed): {produce:,.0f} events/s, {mb * produce / n:.1f} MB/s")
+    print(f"consume + decode:             {consume:,.0f} events/s, {mb * consume / n:.1f} MB/s")
 
 
 def main() -> None:

@@ -45,11 +45,17 @@ from streams.scoring import Scorer  # noqa: E402
 GROUP, PROMPTS, NEW_TOKENS, LAYERS, WIDTH, BATCH = 8, 4, 6, 4, 256, 64
 
 
-def to_trajectories(events: list[RolloutEvent], scorer: Scorer) -> list[Trajectory]:
+def score_events(events: list[RolloutEvent], scorer: Scorer) -> list[Trajectory]:
+    """Events -> scored trajectories, in memory: the streams' assembly and reward functions."""
     states: dict[str, assembly.EpisodeState] = {}
     for i, ev in enumerate(events):
         states[ev.episode_id] = assembly.fold(states.get(ev.episode_id), ev, SourcePosition(0, i))
-    scored = [scorer.score(assembly.to_trajectory(s, "memory")) for s in states.values()]
+    return [scorer.score(assembly.to_trajectory(s, "memory")) for s in states.values()]
+
+
+def to_trajectories(events: list[RolloutEvent], scorer: Scorer) -> list[Trajectory]:
+    """Scored trajectories with group advantages; zero-variance groups dropped, as the streams do."""
+    scored = score_events(events, scorer)
     by_group: dict[str, list[Trajectory]] = defaultdict(list)
     for t in scored:
         by_group[t.group_id].append(t)

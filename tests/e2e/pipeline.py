@@ -8,11 +8,18 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections import Counter, defaultdict
 from typing import Callable
 
-from infra.kafka import end_offsets
+from infra.kafka import end_offsets, read_topic
 from infra.launcher import Launcher
+from infra.objectstore import ObjectStore
 from infra.settings import Settings
+from learner import checkpoint_store
+from schemas import codec
+from schemas.keys import trajectory_id
+from schemas.manifests import CheckpointManifest
+from schemas.records import BatchManifest, DeadLetter, EpisodeEnded, EpisodeStarted, RolloutEvent, Trajectory
 from schemas.topics import Topics
 from tests.integration.test_launcher import free_port_pair
 
@@ -26,13 +33,14 @@ class PipelineRun:
 
     root: Path
     ns: str = "e2e"
+    brokers: int = 1
     launcher: Launcher = field(init=False)
     settings: Settings = field(init=False)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.launcher = Launcher(state_dir=self.root / "stack", kafka_port=free_port_pair(),
-                                 minio_port=free_port_pair())
+        self.launcher = Launcher(state_dir=self.root / "stack", kafka_port=free_port_pair(2 * self.brokers),
+                                 minio_port=free_port_pair(), brokers=self.brokers)
         self.launcher.up()
         self.settings = self.launcher.settings()
 
@@ -40,9 +48,12 @@ class PipelineRun:
     def topics(self) -> Topics:
         return Topics(self.ns, partitions=2)
 
-    def start(self, name: str, module: str, *argv: str) -> subprocess.Popen[bytes]:
+    def start(self, name: str, module: str, *argv: str, fault: str = "") -> subprocess.Popen[bytes]:
+        """Start `python -m module --ns NS argv`; `fault` sets TRAJPIPE_FAULT (see infra.faults)."""
         env = {**os.environ, **self.settings.as_env(), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         env.pop("TRAJPIPE_FAULT", None)
+        if fault:
+            env["TRAJPIPE_FAULT"] = fault
         log = open(self.root / f"{name}.log", "ab")
         proc = subprocess.Popen([sys.executable, "-m", module, "--ns", self.ns, *argv], cwd=ROOT, env=env,
                                 stdout=log, stderr=subprocess.STDOUT)
@@ -53,6 +64,15 @@ class PipelineRun:
         proc = self.procs.pop(name)  # a killed process is no failure to report
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
+
+    def wait_killed(self, name: str, timeout: float = 240.0) -> None:
+        """Wait for a process started with a fault to kill itself (SIGKILL), then forget it."""
+        try:
+            code = self.procs[name].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{name} did not reach its fault point; logs:\n{self.logs()}") from None
+        assert code == -signal.SIGKILL, f"{name} exited {code}, not by its fault point; logs:\n{self.logs()}"
+        self.procs.pop(name)
 
     def stop(self, name: str, timeout: float = 120.0) -> int:
         proc = self.procs[name]
@@ -108,3 +128,81 @@ class PipelineRun:
                 "2", "--max-new-tokens", "6", "--max-policy-lag", "1000", "--producer-id", producer_id,
                 "--seed", str(seed), *MODEL]
 
+
+def decode_all(run: PipelineRun, topic: str) -> list:  # type: ignore[type-arg]
+    """Every record of `topic`, decoded."""
+    return [codec.decode(m.value()) for m in read_topic(run.settings, topic, timeout=120)]
+
+
+def unclosed_episodes(run: PipelineRun) -> str:
+    """'' once every started episode has a trajectory, else a description of those that have none."""
+    events: list[RolloutEvent] = decode_all(run, run.topics.events)
+    started = {e.episode_id for e in events if isinstance(e.body, EpisodeStarted)}
+    missing = started - {t.episode_id for t in decode_all(run, run.topics.trajectories)}
+    return describe(missing, events, run) if missing else ""
+
+
+def every_episode_closed(run: PipelineRun) -> bool:
+    return not unclosed_episodes(run)
+
+
+def describe(episodes: set[str], events: list[RolloutEvent], run: PipelineRun) -> str:
+    """The episodes' events, the log lines that name them (any service, any restart), and the logs' tails."""
+    rows = [f"{e.producer_id} {e.episode_id} seq={e.seq} {type(e.body).__name__} ts={e.ts}"
+            for e in events if e.episode_id in episodes]
+    named = [f"{log.name}: {line}" for log in sorted(run.root.glob("*.log"))
+             for line in log.read_text(errors="replace").splitlines() if any(ep in line for ep in episodes)]
+    dead = [f"{d.stage} {d.reason}: {d.detail[:200]}" for d in decode_all(run, run.topics.deadletter)]
+    return (f"{len(episodes)} episodes without a trajectory:\n" + "\n".join(rows[:40])
+            + "\n--- log lines naming them\n" + "\n".join(named[:40])
+            + f"\n--- {len(dead)} dead letters\n" + "\n".join(dead[:20]) + "\n" + run.logs(4000))
+
+
+def assert_every_id_accounted_for(run: PipelineRun, orphans: bool) -> list[CheckpointManifest]:
+    """Every ended episode in one trajectory id, every scored trajectory in one batch, every batch trained once;
+    returns the lineage of announced checkpoints."""
+    t = run.topics
+    events: list[RolloutEvent] = decode_all(run, t.events)
+    started = {e.episode_id for e in events if isinstance(e.body, EpisodeStarted)}
+    ended = {e.episode_id for e in events if isinstance(e.body, EpisodeEnded)}
+    assert len(started) >= 100 and ended <= started
+
+    trajectories: list[Trajectory] = decode_all(run, t.trajectories)
+    by_id = {tr.trajectory_id: tr for tr in trajectories}
+    # every episode that ended is in exactly one trajectory (ids are derived from the episode: re-emits share it)
+    missing = {ep for ep in ended if trajectory_id(ep) not in by_id}
+    assert not missing, describe(missing, events, run)
+    assert {tr.episode_id for tr in by_id.values()} == started
+    in_flight = started - ended  # a killed producer's in-flight episodes: closed by the sweeper, never trained
+    assert in_flight or not orphans, "no episode was orphaned"
+    assert all(by_id[trajectory_id(ep)].status == "abandoned" for ep in in_flight)
+    for tr in by_id.values():  # emitted twice (at least once) means emitted identically
+        assert all(codec.encode(x) == codec.encode(tr) for x in trajectories if x.trajectory_id == tr.trajectory_id)
+
+    dead: list[DeadLetter] = decode_all(run, t.deadletter)
+    assert dead == [], "\n".join(
+        [f"{d.reason} ({d.stage}, {d.source_topic}:{d.partition}@{d.offset}): {d.detail}" for d in dead]
+        + [describe({d.key.decode(errors="replace") for d in dead if d.key}, events, run)])
+
+    scored = {tr.trajectory_id for tr in decode_all(run, t.scored)}
+    assert scored <= set(by_id)
+    manifests: dict[str, BatchManifest] = {}
+    for m in decode_all(run, t.batches):
+        assert manifests.setdefault(m.batch_id, m) == m  # a republished manifest is the same manifest
+    in_batches = Counter(tid for m in manifests.values() for tid in m.trajectory_ids)
+    assert set(in_batches) == scored and max(in_batches.values()) == 1  # every scored trajectory in one batch
+
+    store = ObjectStore(run.settings)
+    announced = [e for e in checkpoint_store.published(run.settings, t) if e.run == run.ns]
+    final = max(e.version for e in announced)
+    lineage = [CheckpointManifest.from_json(store.get(f"checkpoints/{run.ns}/v{v}/manifest.json"))
+               for v in range(final + 1)]
+    for e in announced:  # no checkpoint lost: every announced one still verifies
+        checkpoint_store.load(store, e)
+    trained = Counter(b for m in lineage for b in m.batch_ids)
+    assert set(trained) == set(manifests) and max(trained.values()) == 1  # every batch trained exactly once
+    per_version = defaultdict(list)
+    for m in lineage:
+        per_version[m.version].append(m)
+    assert sorted(per_version) == list(range(final + 1))
+    return lineage

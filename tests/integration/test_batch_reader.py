@@ -173,3 +173,25 @@ def test_the_reader_waits_out_an_object_store_outage(stack: Settings, topics: To
     assert [list(b.trajectories) for b in got] == [t for _, t in batches]
     # it did meet the outage (other sessions may restart the shared server sooner than the thread)
     assert r.store.retries >= 1 and got[0].wait_s > 0.1
+
+
+def test_a_batches_topic_that_appears_seconds_after_the_reader_asks_is_waited_for_then_a_missing_one_refused(
+        stack: Settings, ns: str, tmp_path: Path) -> None:
+    """A broker that has just started can deny a topic bootstrap created seconds earlier: the reader asks again
+    for a while (the demo's learner exited 2 once, right after `infra up`), then names the fix."""
+    import threading
+
+    from infra.bootstrap import bootstrap, partition_count
+    from schemas.errors import ConfigError
+
+    topics = Topics(ns, partitions=2)
+    later = threading.Timer(3.0, lambda: bootstrap(stack, ns, partitions=2))
+    later.start()
+    try:
+        positions = reader(stack, topics, tmp_path / "a")._committed_positions()
+    finally:
+        later.join()
+    assert len(positions) == partition_count(stack, topics.batches) and set(positions.values()) == {0}
+    missing = Topics(f"{ns}-never", partitions=2)
+    with pytest.raises(ConfigError, match="bootstrap"):
+        reader(stack, missing, tmp_path / "b")._committed_positions()

@@ -1,18 +1,20 @@
 """Against the real broker and store: event round trips, taps, bootstrap, object store, claim checks."""
 from __future__ import annotations
 
+import io
 import os
 import uuid
+from typing import Any
 
 import pytest
 
 from infra.bootstrap import bootstrap, partition_count, topic_config
 from infra.claims import offload, resolve
 from infra.kafka import Publisher, read_topic
-from infra.objectstore import ObjectStore
+from infra.objectstore import PART, ObjectStore
 from infra.settings import Settings
 from schemas import codec
-from schemas.errors import ObjectNotFound
+from schemas.errors import IntegrityError, ObjectNotFound
 from schemas.examples import example_events
 from schemas.packing import pack_floats, pack_ids
 from schemas.records import PolicyTurn
@@ -96,6 +98,46 @@ def test_object_store_put_get_list_of_a_multi_mb_object(store: ObjectStore) -> N
     assert store.get(prefix + "big.bin", sha256=digest) == blob
     assert store.list(prefix) == [prefix + "big.bin", prefix + "small.bin"]
     assert store.size(prefix + "big.bin") == len(blob)
+
+
+class Wire:
+    """The real MinIO client behind a wire that can flip one byte of a body after its headers were made."""
+
+    def __init__(self, client: Any, corrupt: bool) -> None:
+        self.client, self.corrupt, self.gets = client, corrupt, 0
+
+    def put_object(self, bucket: str, key: str, data: io.BytesIO, length: int, **kwargs: Any) -> Any:
+        body = bytearray(data.read())
+        if self.corrupt:
+            body[len(body) // 2] ^= 0xFF
+        return self.client.put_object(bucket, key, io.BytesIO(bytes(body)), length, **kwargs)
+
+    def get_object(self, *args: Any, **kwargs: Any) -> Any:
+        self.gets += 1
+        return self.client.get_object(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+
+@pytest.mark.parametrize("size", [12 << 20, PART + (3 << 20)])  # one PUT; two parts
+def test_a_verified_write_is_checked_on_arrival_without_reading_it_back(store: ObjectStore, size: int) -> None:
+    key = f"test/{uuid.uuid4().hex}/weights.bin"
+    blob = os.urandom(size)
+    real = store._client
+    store._client = wire = Wire(real, corrupt=False)
+    digest = store.put_verified(key, blob)
+    assert wire.gets == 0 and store.get(key, sha256=digest) == blob
+    store._client = wire = Wire(real, corrupt=True)  # a byte flipped in transit
+    if size <= PART:  # the server's sha256 check refuses it: nothing is stored
+        with pytest.raises(IntegrityError, match="other bytes"):
+            store.put_verified(key + ".2", blob)
+        store._client = real
+        assert not store.exists(key + ".2")
+    else:  # in parts: the ETag differs, so the write is read back, and that finds it
+        with pytest.raises(IntegrityError):
+            store.put_verified(key + ".2", blob)
+        assert wire.gets == 1
 
 
 def test_missing_object_is_a_clear_error(store: ObjectStore) -> None:

@@ -14,19 +14,23 @@ from schemas.errors import InfraError
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def free_port_pair() -> int:
-    """A port p with p and p + 1 both free, below the ephemeral range (where clients' own ports come from)."""
+def free_port_pair(count: int = 2) -> int:
+    """A port p with p .. p + count - 1 all free, below the ephemeral range (where clients' own ports come
+    from): a server and its controller or console port, or count/2 Kafka nodes."""
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(20000, 30000)
+        sockets = [socket.socket() for _ in range(count)]
         try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
+            for i, sock in enumerate(sockets):
+                sock.bind(("127.0.0.1", port + i))
             return port
         except OSError:
             continue
-    raise RuntimeError("no free port pair")
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 def processes_using(path: Path) -> list[int]:
@@ -69,3 +73,20 @@ def test_a_taken_port_is_a_clear_error(tmp_path: Path) -> None:
         with pytest.raises(InfraError, match=f"port {port} is taken"):
             launcher.start_minio()
     assert read_pid(launcher.minio.pid_file) is None
+
+
+def test_the_test_stack_stops_the_servers_it_started_and_leaves_running_ones_alone(tmp_path: Path) -> None:
+    from tests.stack import launcher_stack
+
+    launcher = Launcher(state_dir=tmp_path / "stack", kafka_port=free_port_pair(), minio_port=free_port_pair())
+    with launcher_stack(launcher) as settings:  # nothing ran: it starts both
+        assert all(s["ready"] for s in launcher.status().values())
+        assert settings.kafka_bootstrap.endswith(str(launcher.kafka_port))
+    assert not any(s["running"] for s in launcher.status().values())  # ...and stops both
+    launcher.up()
+    try:
+        with launcher_stack(launcher):
+            pass
+        assert all(s["ready"] for s in launcher.status().values())  # found running: left running
+    finally:
+        launcher.down()

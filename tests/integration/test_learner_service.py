@@ -6,12 +6,18 @@ import os
 import random
 import subprocess
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 
-import pytest
+from typing import Any
 
-from consumers.shards import write_shard
-from infra.kafka import Publisher
+import pytest
+import torch
+
+from consumers.shards import read_shard, write_shard
+from infra.bootstrap import bootstrap, delete_topics
+from infra.kafka import Publisher, read_topic
 from infra.objectstore import ObjectStore
 from infra.settings import Settings
 from learner import checkpoint_store
@@ -26,13 +32,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def trajectory(rng: random.Random, ns: str, i: int) -> Trajectory:
+def trajectory(rng: random.Random, ns: str, i: int, status: str = "completed", version: int = 0) -> Trajectory:
     gen = [rng.randrange(3, 259) for _ in range(rng.randint(3, 8))] + [1]
     reward = float(rng.random() < 0.5)
-    turn = TrajectoryTurn(turn=0, policy_version=0, obs_text="", obs_tokens=b"", text="x", tokens=pack_ids(gen),
+    turn = TrajectoryTurn(turn=0, policy_version=version, obs_text="", obs_tokens=b"", text="x", tokens=pack_ids(gen),
                           logprobs=pack_floats([-1.5] * len(gen)), finish_reason="stop")
     return Trajectory(trajectory_id=f"traj-{i}", episode_id=f"ep-{i}", group_id=f"g-{i // 4}", task_id="t",
-                      domain="math", run=ns, status="completed", task_spec="{}", prompt_text="1+1=",
+                      domain="math", run=ns, status=status, task_spec="{}", prompt_text="1+1=",
                       prompt_tokens=pack_ids([52, 46, 52, 64]), turns=(turn,), reward=reward,
                       reward_components={"outcome/correct": reward}, reward_fn="default", reward_version="1",
                       advantage=reward - 0.5, group_reward_mean=0.5, group_reward_std=0.5,
@@ -40,13 +46,19 @@ def trajectory(rng: random.Random, ns: str, i: int) -> Trajectory:
                       started_ts=i, ended_ts=i + 1)
 
 
-def publish_batches(stack: Settings, store: ObjectStore, topics: Topics, n_batches: int) -> list[str]:
+def publish_batches(stack: Settings, store: ObjectStore, topics: Topics, n_batches: int,
+                    aborted: tuple[int, ...] = (), versions: dict[int, int] | None = None,
+                    run: str | None = None) -> list[str]:
+    """n_batches of 4 trajectories (the same bytes for every namespace); batches in `aborted` train nothing;
+    `versions`: batch -> the policy version of its turns (default 0); `run`: the run that generated them
+    (default: this namespace's; another one's for replayed history)."""
     rng = random.Random(3)
     pub = Publisher(stack)
     ids = []
     for b in range(n_batches):
         first, last = b * 4, b * 4 + 3
-        trajs = [trajectory(rng, topics.ns, i) for i in range(first, last + 1)]
+        status = "aborted" if b in aborted else "completed"
+        trajs = [trajectory(rng, run or topics.ns, i, status, (versions or {}).get(b, 0)) for i in range(first, last + 1)]
         key = shard_key(topics.ns, topics.scored, 0, first, last)
         data = write_shard(trajs, key)
         sha = store.put_verified(key, data)
@@ -64,14 +76,14 @@ def publish_batches(stack: Settings, store: ObjectStore, topics: Topics, n_batch
     return ids
 
 
-def run_learner(stack: Settings, ns: str, tmp: Path, fault: str | None) -> subprocess.CompletedProcess[str]:
+def run_learner(stack: Settings, ns: str, tmp: Path, fault: str | None, *extra: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, **stack.as_env(), "PYTHONPATH": str(ROOT)}
     env.pop("TRAJPIPE_FAULT", None)
     if fault:
         env["TRAJPIPE_FAULT"] = fault
     return subprocess.run(
         [sys.executable, "-m", "learner", "--ns", ns, "--layers", "2", "--width", "64", "--updates-per-checkpoint",
-         "2", "--idle-exit", "4", "--cache-dir", str(tmp / "cache"), "--lr", "1e-3"],
+         "2", "--idle-exit", "4", "--cache-dir", str(tmp / "cache"), "--lr", "1e-3", *extra],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -82,19 +94,29 @@ def announced_lineage(stack: Settings, store: ObjectStore, topics: Topics) -> li
     return [CheckpointManifest.from_json(store.get(k)) for k in keys]
 
 
+def final_weights(store: ObjectStore, ns: str, version: int) -> dict[str, Any]:
+    from safetensors.torch import load
+
+    return load(checkpoint_store.load_version(store, ns, version).files["model.safetensors"])
+
+
 def test_crash_at_each_point_then_restart_trains_every_batch_exactly_once(
         stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
+    # SFT, then GRPO with a KL term to checkpoint v0: whether the run switched phase in one process or
+    # resumed after the switch, the reference is v0, never the weights it switched or resumed at.
+    flags = ("--sft-updates", "2", "--kl-coef", "0.5", "--max-policy-lag", "100")
     published = publish_batches(stack, store, topics, 12)
     for fault in ("mid_update:3", "after_save:2", "after_publish:2"):
-        proc = run_learner(stack, topics.ns, tmp_path, fault)
+        proc = run_learner(stack, topics.ns, tmp_path, fault, *flags)
         assert proc.returncode == -9, f"{fault} did not fire: {proc.stderr[-2000:]}"
-    proc = run_learner(stack, topics.ns, tmp_path, None)
+    proc = run_learner(stack, topics.ns, tmp_path, None, *flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed v" in proc.stderr
 
     lineage = announced_lineage(stack, store, topics)
     trained = [b for m in lineage for b in m.batch_ids]
-    assert sorted(trained) == sorted(published)  # each once: no repeat, no skip
+    skipped = [b for m in lineage for b in m.skipped_batches]  # an SFT batch with no success trains nothing
+    assert sorted(trained + skipped) == sorted(published)  # each once: no repeat, no skip
     assert lineage[0].version == 0 and lineage[0].batch_ids == []
     assert [m.version for m in lineage] == list(range(len(lineage)))
     final = lineage[-1]
@@ -102,16 +124,302 @@ def test_crash_at_each_point_then_restart_trains_every_batch_exactly_once(
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["version"] == final.version
 
+    # The same batches, never interrupted: the same weights, not only the same batch ids.
+    calm = Topics(f"{topics.ns}-calm")
+    bootstrap(stack, calm.ns, partitions=1)
+    publish_batches(stack, store, calm, 12)
+    proc = run_learner(stack, calm.ns, tmp_path / "calm", None, *flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    crashed, uninterrupted = final_weights(store, topics.ns, final.version), final_weights(store, calm.ns, final.version)
+    assert crashed.keys() == uninterrupted.keys()
+    for name, tensor in crashed.items():
+        torch.testing.assert_close(tensor, uninterrupted[name], rtol=0, atol=1e-6, msg=name)
 
-def test_a_checkpoint_loads_with_from_pretrained(stack: Settings, topics: Topics, store: ObjectStore,
-                                                  tmp_path: Path) -> None:
-    from transformers import AutoModelForCausalLM
+
+def test_a_batch_that_trains_nothing_is_skipped_with_its_reason_and_no_version(
+        stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
+    published = publish_batches(stack, store, topics, 4, aborted=(1,))
+    proc = run_learner(stack, topics.ns, tmp_path, None, "--updates-per-checkpoint", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lineage = announced_lineage(stack, store, topics)
+    assert [m.version for m in lineage] == [0, 1, 2, 3]          # three updates, three versions
+    assert [m.batch_ids for m in lineage[1:]] == [[published[0]], [published[2]], [published[3]]]
+    assert lineage[2].skipped_batches == {published[1]: "no trainable tokens (skipped/aborted=4)"}
+    assert "nan" not in proc.stderr and f"batch {published[1]} skipped" in proc.stderr
+
+
+def test_an_exported_checkpoint_loads_with_from_pretrained_and_generates_as_the_learners_copy(
+        stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from learner.checkpoint_files import read_checkpoint
+    from learner.service import model_from_config
+    from producers.policy.tokenizer import PolicyTokenizer, load_hf_tokenizer
 
     publish_batches(stack, store, topics, 2)
     assert run_learner(stack, topics.ns, tmp_path, None).returncode == 0
-    loaded = checkpoint_store.newest(stack, topics, store, run=topics.ns)
-    assert loaded is not None and loaded.manifest.version == 1
-    for name, data in loaded.files.items():
-        (tmp_path / name).write_bytes(data)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
+    results = [{"version": 1, "mode": "greedy", "success": 0.25, "ci_low": 0.1, "ci_high": 0.4, "episodes": 32,
+                "reward_mean": 0.3}]
+    (tmp_path / "eval.json").write_text(json.dumps(results))
+    out = tmp_path / "hf"
+    env = {**os.environ, **stack.as_env(), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "learner.export", "--ns", topics.ns, "--version", "latest", "--out",
+                           str(out), "--eval", str(tmp_path / "eval.json")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert not (out / "optimizer.safetensors").exists()  # a plain folder: weights, config, tokenizer, card
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
     assert model.config.num_hidden_layers == 2
+    card = (out / "README.md").read_text()
+    assert f"# {topics.ns} v1" in card and "grpo" in card and "| greedy | 0.250 |" in card
+
+    loaded = checkpoint_store.load_version(store, topics.ns, 1)
+    state = read_checkpoint(loaded.files)
+    own = model_from_config(state.model_config).eval()
+    own.load_state_dict(state.model, strict=False)
+    prompt = "1+1="
+    ours = PolicyTokenizer(load_hf_tokenizer(None)).encode(prompt)
+    assert tokenizer(prompt, add_special_tokens=True)["input_ids"][:len(ours)] == ours
+    ids = torch.tensor([ours])
+    with torch.no_grad():
+        exported = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        learners = own.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert exported.tolist() == learners.tolist()
+
+
+def test_several_shards_make_one_policy_gradient_update(stack: Settings, topics: Topics, store: ObjectStore,
+                                                        tmp_path: Path) -> None:
+    published = publish_batches(stack, store, topics, 6)
+    proc = run_learner(stack, topics.ns, tmp_path, None, "--updates-per-checkpoint", "1", "--rl-batches-per-update",
+                       "3", "--max-policy-lag", "100")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lineage = announced_lineage(stack, store, topics)
+    assert [m.batch_ids for m in lineage] == [[], published[:3], published[3:]]   # two updates of three shards
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["updates"] == 2
+
+
+def compact_now(stack: Settings, topic: str) -> None:
+    """Make the broker's log cleaner compact `topic` as soon as a segment closes."""
+    from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource
+
+    from infra.kafka import admin
+
+    entries = [ConfigEntry(name, value, incremental_operation=AlterConfigOpType.SET) for name, value in (
+        ("segment.ms", "300"), ("min.cleanable.dirty.ratio", "0.001"), ("min.compaction.lag.ms", "0"))]
+    client = admin(stack)  # held until the futures resolve
+    for future in client.incremental_alter_configs([ConfigResource("topic", topic, incremental_configs=entries)]
+                                                   ).values():
+        future.result(timeout=30)
+
+
+def test_compaction_keeps_every_version_and_a_broken_newest_falls_back_to_the_one_before(
+        stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
+    publish_batches(stack, store, topics, 8)
+    proc = run_learner(stack, topics.ns, tmp_path, None)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    announced = [e for e in checkpoint_store.published(stack, topics) if e.run == topics.ns]
+    versions = [e.version for e in announced]
+    assert versions == list(range(len(versions))) and len(versions) >= 4
+
+    # The newest version announced again (a learner restarted after publishing), then the log cleaner runs:
+    # it drops that repeat, and must keep every other version.
+    compact_now(stack, topics.checkpoints)
+    pub = Publisher(stack)
+    newest_event = announced[-1]
+    for _ in range(2):
+        checkpoint_store.announce(pub, topics, store, CheckpointManifest.from_json(
+            store.get(newest_event.manifest_key)), newest_event.manifest_key, newest_event.manifest_sha256)
+        time.sleep(1.0)  # the next record rolls the segment, which the cleaner may then compact
+    deadline = time.monotonic() + 90
+    while len(list(read_topic(stack, topics.checkpoints))) > len(versions) + 1:
+        assert time.monotonic() < deadline, "the log cleaner never compacted the checkpoint topic"
+        time.sleep(2)
+    assert [e.version for e in checkpoint_store.published(stack, topics) if e.run == topics.ns] == versions
+
+    # The newest checkpoint stops verifying: the learner resumes from the one before, never from fresh weights.
+    newest = versions[-1]
+    store.put(f"checkpoints/{topics.ns}/v{newest}/model.safetensors", b"not the weights it announced")
+    proc = run_learner(stack, topics.ns, tmp_path, None)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"checkpoint v{newest} does not verify" in proc.stderr and f"resumed v{newest - 1}" in proc.stderr
+    assert "fresh" not in proc.stderr
+    lineage = announced_lineage(stack, store, topics)
+    trained = [b for m in lineage for b in [*m.batch_ids, *m.skipped_batches]]
+    assert len(trained) == len(set(trained)) == 8  # the broken version's batches trained again, once
+    checkpoint_store.load_version(store, topics.ns, newest)  # re-made, and it verifies
+
+    # None verifies: the learner refuses, saying what to do, instead of announcing a second v0.
+    for version in versions:
+        store.put(f"checkpoints/{topics.ns}/v{version}/model.safetensors", b"gone")
+    proc = run_learner(stack, topics.ns, tmp_path, None)
+    assert proc.returncode == 2 and "none of them verifies" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_missing_corrupt_and_garbage_batches_are_skipped_with_their_reason_never_a_crash(
+        stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
+    published = publish_batches(stack, store, topics, 8)
+    manifests = {m.batch_id: m for m in (codec.decode(msg.value()) for msg in read_topic(stack, topics.batches))}
+    missing, corrupt = manifests[published[2]], manifests[published[5]]
+    store.delete(missing.key)
+    store.put(corrupt.key, b"not the shard its manifest names")
+    pub = Publisher(stack)
+    pub.send(topics.batches, None, b"\x00garbage, not a BatchManifest")
+    pub.close()
+    proc = run_learner(stack, topics.ns, tmp_path, None)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lineage = announced_lineage(stack, store, topics)
+    skipped = {b: why for m in lineage for b, why in m.skipped_batches.items()}
+    assert "missing shard" in skipped[missing.batch_id] and missing.key in skipped[missing.batch_id]
+    assert "corrupt shard" in skipped[corrupt.batch_id]
+    trained = [b for m in lineage for b in m.batch_ids]
+    assert sorted(trained + list(skipped)) == sorted(published)  # the others trained, each once
+    reader = json.loads(proc.stdout.strip().splitlines()[-1])["reader"]
+    assert (reader["reader/missing_shards"], reader["reader/corrupt_shards"], reader["reader/bad_manifests"]) == \
+        (1, 1, 1)
+
+
+def test_a_rebuild_from_the_batch_log_reproduces_every_version_bit_for_bit(
+        stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
+    publish_batches(stack, store, topics, 8, aborted=(4,))  # batch 4 trains nothing: skipped, in order
+    proc = run_learner(stack, topics.ns, tmp_path, None, "--sft-updates", "2", "--kl-coef", "0.1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    source = announced_lineage(stack, store, topics)
+    assert len(source) >= 4 and any(m.skipped_batches for m in source)
+    env = {**os.environ, **stack.as_env(), "PYTHONPATH": str(ROOT)}
+
+    def rebuild(to_ns: str, *extra: str, rescored: str = "") -> dict[str, Any]:
+        own = ["--rescored", rescored] if rescored else []
+        done = subprocess.run([sys.executable, "-m", "learner.rebuild", "--from-ns", topics.ns, "--to-ns", to_ns,
+                               "--cache-dir", str(tmp_path / to_ns), "--json", *own, *(("--", *extra) if extra else ())],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode in (0, 1), done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+    same = rebuild(f"{topics.ns}-rebuilt")
+    assert same["versions"] == {str(m.version): "identical" for m in source}
+    rebuilt = announced_lineage(stack, store, Topics(f"{topics.ns}-rebuilt"))
+    assert [(m.batch_ids, m.skipped_batches) for m in rebuilt] == [(m.batch_ids, m.skipped_batches) for m in source]
+
+    other = rebuild(f"{topics.ns}-lr", "--lr", "3e-3")  # what if: another learning rate on the same batches
+    assert other["what_if"] and other["versions"]["0"] == "identical"
+    assert all(verdict.startswith("max |diff|") for v, verdict in other["versions"].items() if v != "0")
+
+    # re-scored history: the same scores reproduce the source bit for bit; other ones make a new lineage
+    batches = [codec.decode(msg.value()) for msg in read_topic(stack, topics.batches)]
+    trajectories = [t for m in batches for t in read_shard(store.get(m.key))]
+
+    def rescore(ns: str, changed: list[Trajectory]) -> None:
+        bootstrap(stack, ns, partitions=2)
+        pub = Publisher(stack)
+        for t in changed:
+            pub.send(Topics(ns).scored, t.trajectory_id.encode(), codec.encode(t))
+        pub.close()
+
+    rescore(f"{topics.ns}-same", trajectories)
+    unchanged = rebuild(f"{topics.ns}-same-train", rescored=f"{topics.ns}-same")
+    assert unchanged["left_out"] == 0 and unchanged["versions"] == {str(m.version): "identical" for m in source}
+    flipped = [replace(t, reward=-t.reward, advantage=-t.advantage) for t in trajectories[1:]]  # one not scored
+    rescore(f"{topics.ns}-flip", flipped)
+    what_if = rebuild(f"{topics.ns}-flip-train", rescored=f"{topics.ns}-flip")
+    assert what_if["what_if"] and what_if["left_out"] == 1 and what_if["versions"]["0"] == "identical"
+    assert any(verdict.startswith("max |diff|") for verdict in what_if["versions"].values())
+    retrained = announced_lineage(stack, store, Topics(f"{topics.ns}-flip-train"))
+    shard = read_shard(store.get(next(m for m in (codec.decode(msg.value()) for msg in read_topic(
+        stack, Topics(f"{topics.ns}-flip-train").batches)) if m.num_trajectories).key))
+    assert all(t.advantage == -by_id.advantage for t in shard
+               for by_id in trajectories if by_id.trajectory_id == t.trajectory_id)
+    assert [m.read_order for m in retrained] == [m.read_order for m in source]  # the same batches, in order
+
+    delete_topics(stack, [topics.batches])  # retention dropped the batch manifests: the shards remain
+    again = rebuild(f"{topics.ns}-from-shards")
+    assert again["batches_from"] == "the shards in the object store"
+    assert again["versions"] == {str(m.version): "identical" for m in source}
+
+
+def test_each_checkpoint_records_which_trajectories_did_not_train_and_why(
+        stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
+    # turns of versions 0, 0, 0, 1, 1, 0, 2, 2: batch 5's are 2 versions behind when it comes; batch 1 is aborted
+    publish_batches(stack, store, topics, 8, aborted=(1,), versions={3: 1, 4: 1, 6: 2, 7: 2})
+    proc = run_learner(stack, topics.ns, tmp_path, None, "--max-policy-lag", "1", "--prefetch", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lineage = announced_lineage(stack, store, topics)
+    manifests = {m.batch_id: m for m in (codec.decode(msg.value()) for msg in read_topic(stack, topics.batches))}
+    untrained = {t: why for m in lineage for t, why in m.untrained.items()}
+    skipped = {b for m in lineage for b in m.skipped_batches}
+    for batch_id, manifest in manifests.items():
+        ids = set(manifest.trajectory_ids)
+        if batch_id in skipped:  # the aborted batch, and batches gone stale (their turns are all v0)
+            assert all(untrained[t].startswith(("its batch trained nothing", "stale")) for t in ids), batch_id
+        else:
+            assert not ids & set(untrained), batch_id
+    aborted = manifests[sorted(manifests, key=lambda b: manifests[b].first_offset)[1]]
+    assert all("aborted" in untrained[t] for t in aborted.trajectory_ids)
+    assert any("stale" in why for why in untrained.values()), (untrained, [m.skipped_batches for m in lineage])
+
+
+def learner_counts(stack: Settings, topics: Topics) -> dict[str, float]:
+    """The learner's per-update counters on the metrics topic, summed over its updates."""
+    totals: dict[str, float] = {}
+    for message in read_topic(stack, topics.metrics):
+        metric = codec.decode(message.value())
+        if metric.source == "learner" and metric.name.startswith(("policy_lag/", "skipped/", "stale/")):
+            totals[metric.name] = totals.get(metric.name, 0.0) + metric.value
+    return totals
+
+
+def test_retraining_history_from_a_named_checkpoint_measures_lag_in_the_source_runs_versions(
+        stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
+    publish_batches(stack, store, topics, 6)  # the source run: v0..v3
+    assert run_learner(stack, topics.ns, tmp_path, None).returncode == 0
+    # Its history replayed into a new namespace: the turns keep the source's run and versions (batch b: v_b).
+    retrain = Topics(f"{topics.ns}-retrain", partitions=1)
+    bootstrap(stack, retrain.ns, partitions=1)
+    publish_batches(stack, store, retrain, 6, versions={b: b for b in range(6)}, run=topics.ns)
+    proc = run_learner(stack, retrain.ns, tmp_path, None, "--init", f"{topics.ns}:v2", "--max-policy-lag", "2",
+                       "--updates-per-checkpoint", "1", "--prefetch", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lineage = announced_lineage(stack, store, retrain)
+    assert lineage[0].init_from == f"{topics.ns}:v2"
+    source_v2 = final_weights(store, topics.ns, 2)
+    assert all(t.equal(source_v2[k]) for k, t in final_weights(store, retrain.ns, 0).items())
+    # At version n, a turn of source version s is n + |2 - s| away: batches 0-2 at lag 2 train (v1..v3);
+    # then, at v3, batches 3, 4, 5 are 4, 5 and 6 versions away: stale. A local counter would say lag n - s.
+    counts = learner_counts(stack, retrain)
+    assert (counts["policy_lag/2"], counts["policy_lag/3-4"], counts["policy_lag/5-8"]) == (12, 4, 8)
+    assert counts["policy_lag/ahead"] == 0 and counts["stale/dropped"] == 12 and counts["skipped/foreign"] == 0
+    assert sum(v for k, v in counts.items() if k.startswith("policy_lag/") and k != "policy_lag/token_mean") == 24
+    assert len(lineage) == 4 and lineage[-1].step == 3
+    # Restarted without --init, it keeps the lineage its v0 recorded: one more batch of source v2 is 3 away.
+    publish_batches(stack, store, retrain, 7, versions={b: 2 for b in range(7)}, run=topics.ns)
+    proc = run_learner(stack, retrain.ns, tmp_path, None, "--max-policy-lag", "2", "--updates-per-checkpoint", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"lineage: {retrain.ns}:v0 <- {topics.ns}:v2" in proc.stderr
+    after = learner_counts(stack, retrain)
+    assert after["policy_lag/3-4"] > 4 and after["skipped/foreign"] == 0 and after["policy_lag/ahead"] == 0
+
+
+RETAIN = ("--updates-per-checkpoint", "1", "--max-policy-lag", "99", "--keep-last", "2", "--keep-every", "3")
+
+
+def test_a_retention_keeps_the_last_versions_every_nth_and_v0_and_every_manifest(
+        stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
+    publish_batches(stack, store, topics, 8)
+    proc = run_learner(stack, topics.ns, tmp_path, None, *RETAIN)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lineage = announced_lineage(stack, store, topics)  # every manifest is still there
+    final = lineage[-1].version
+    assert final == 8 and [m.version for m in lineage] == list(range(9))
+    kept = {m.version for m in lineage if store.list(f"checkpoints/{topics.ns}/v{m.version}/model.safetensors")}
+    assert kept == {0, 3, 6, 7, 8}
+    assert all(store.list(f"checkpoints/{topics.ns}/v{v}/") == [f"checkpoints/{topics.ns}/v{v}/manifest.json"]
+               for v in set(range(9)) - kept)
+    with pytest.raises(Exception, match="retention"):
+        checkpoint_store.load_version(store, topics.ns, 5)
+    # a restart resumes from the newest, and goes on letting go of what leaves the last two
+    publish_batches(stack, store, topics, 10)
+    proc = run_learner(stack, topics.ns, tmp_path, None, *RETAIN)
+    assert proc.returncode == 0 and "resumed v8" in proc.stderr, proc.stderr[-3000:]
+    kept = {v for v in range(11) if store.list(f"checkpoints/{topics.ns}/v{v}/model.safetensors")}
+    assert kept == {0, 3, 6, 9, 10}

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from consumers.report import PLOTS
 from infra.kafka import consumer, read_topic
+from infra.metrics import Metrics
 from infra.settings import Settings
 from schemas import codec
 from schemas.records import CheckpointPublished, DeadLetter, PipelineMetric, SandboxResult, Trajectory
@@ -56,6 +57,15 @@ def fill(stack: Settings, topics: Topics) -> None:
                                                             batch_ids=(), ts=T0)], key=b"r")
     publish(stack, topics.metrics, [PipelineMetric(source="learner", name="loss/policy", value=v, window_end=T0 + i)
                                     for i, v in enumerate([0.9, 0.4])])
+    windows = []  # two windows of a rollout worker's and the shard writer's own figures
+    for episodes, batches in ((16, 2), (8, 1)):
+        rollout, shards = Metrics("rollout"), Metrics("shards")
+        rollout.count("rollout/episodes", episodes, producer="w1", status="completed")
+        rollout.gauge("rollout/tokens_per_s", 10.0 * episodes, producer="w1")
+        shards.count("shards/batches", batches)
+        shards.observe("shards/write_s", 0.5)
+        windows += rollout.flush(T0, T0 + 1000) + shards.flush(T0, T0 + 1000)
+    publish(stack, topics.metrics, windows)
 
 
 def commit_streams_position(stack: Settings, topics: Topics, offset: int) -> str:
@@ -85,13 +95,25 @@ def expected(stack: Settings, topics: Topics, group: str, offset: int) -> Sample
                 out[("trajpipe_deadletter_total", (("reason", reason),))] = n
         if topic == topics.scored:
             by_domain: dict[str, list[float]] = {}
+            solved: dict[str, list[bool]] = {}
             for m in msgs:
                 t = codec.decode(m.value(), Trajectory)
                 by_domain.setdefault(t.domain, []).append(t.reward)
+                solved.setdefault(t.domain, []).append(any(v >= 1.0 for k, v in t.reward_components.items()
+                                                           if k.startswith("outcome/")))
+            for domain, flags in solved.items():
+                out[("trajpipe_success_rate", (("domain", domain),))] = sum(flags) / len(flags)
             for domain, values in by_domain.items():
                 out[("trajpipe_reward_mean", (("domain", domain),))] = statistics.fmean(values)
                 out[("trajpipe_reward_std", (("domain", domain),))] = statistics.pstdev(values)
                 out[("trajpipe_scored_trajectories_total", (("domain", domain),))] = len(values)
+    for message in read_topic(stack, topics.metrics):
+        metric = codec.decode(message.value(), PipelineMetric)
+        key = (("labels", ",".join(f"{k}={v}" for k, v in sorted(metric.labels.items()))), ("name", metric.name),
+               ("source", metric.source))
+        out[("trajpipe_service", key)] = metric.value
+        total = out.get(("trajpipe_service_windows_total", key), 0.0)
+        out[("trajpipe_service_windows_total", key)] = total + metric.value
     for outcome, n in outcomes.items():
         out[("trajpipe_sandbox_outcomes_total", (("outcome", outcome),))] = n
     out[("trajpipe_consumer_lag", (("group", group), ("topic", topics.events)))] = sum(max(0, e - offset) for e in ends)

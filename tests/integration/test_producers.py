@@ -1,11 +1,12 @@
 """Rollout workers against the real broker and store: ordered episodes, broker outage, checkpoint following."""
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,17 @@ from schemas import codec
 from schemas.keys import checkpoint_prefix
 from schemas.manifests import CheckpointManifest, FileEntry
 from schemas.packing import sha256_hex
-from schemas.records import CheckpointPublished, EpisodeEnded, EpisodeStarted, PolicyTurn, RolloutEvent, SandboxResult
+from schemas.records import (
+    CheckpointPublished,
+    EpisodeEnded,
+    EpisodeStarted,
+    PipelineMetric,
+    PolicyTurn,
+    RolloutEvent,
+    SandboxResult,
+)
 from schemas.topics import Topics
+from streams.outbox import KafkaOutbox
 from tests.integration.test_launcher import free_port_pair
 
 pytestmark = pytest.mark.integration
@@ -62,7 +72,7 @@ def assert_complete_and_ordered(events: list[tuple[int, int, RolloutEvent]]) -> 
 
 
 def test_a_worker_produces_complete_ordered_episodes_for_all_three_domains(stack: Settings, topics: Topics) -> None:
-    worker = small_worker(topics.ns, stack, max_turns=2)
+    worker = small_worker(topics.ns, stack, max_turns=2, sources=("math-easy", "table", "humaneval"))
     tasks = [load_source("math-easy")[0], load_source("table", seed=1)[0], load_source("humaneval")[2]]
     summary = worker.runner.run_step(tasks)
     worker.sink.close()
@@ -96,15 +106,19 @@ def test_killing_the_broker_mid_run_loses_no_event(tmp_path: Path) -> None:
         proc = subprocess.Popen(
             [sys.executable, "-m", "producers", "--ns", "outage", "--sources", "math-easy", "--episodes", "48",
              "--group-size", "4", "--prompts-per-step", "2", "--max-new-tokens", "8", "--layers", "2",
-             "--width", "64", "--no-follow"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+             "--width", "64", "--no-follow", "--own-weights"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True)
         topics = Topics("outage")
         deadline = time.monotonic() + 120
         while sum(hi for _, hi in _watermarks(own, topics)) < 20 and time.monotonic() < deadline:
             time.sleep(0.5)
+        outbox = KafkaOutbox(own)  # what the streams sweeper asks before it lets wall time age an episode
+        assert asyncio.run(outbox.reachable())
         launcher.kill("kafka")
+        assert not asyncio.run(outbox.reachable())
         time.sleep(5)
         launcher.start("kafka")
+        assert asyncio.run(outbox.reachable(timeout=30))
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-3000:]
         report = json.loads(out.strip().splitlines()[-1])
@@ -163,16 +177,89 @@ def test_a_bad_checkpoint_is_refused_and_a_good_one_is_loaded(stack: Settings, t
     assert follower.refused and "v1 refused" in follower.refused[0]
     assert follower.take_ready() is None
 
-    publish_checkpoint(stack, store, topics, 2, weights)
+    # v2 verifies but was made for a wider model: refused with its reason, the worker keeps what it has
+    misfit = {**weights, "model.embed_tokens.weight": torch.zeros(7, 3)}
+    publish_checkpoint(stack, store, topics, 2, misfit)
     while follower.latest_published < 2 and time.monotonic() < deadline + 30:
         time.sleep(0.2)
     worker.maybe_load_checkpoint()
+    assert worker.backend.version != 2 and len(follower.refused) == 2
+    assert "v2 verifies but does not fit this worker's model" in follower.refused[1]
+
+    publish_checkpoint(stack, store, topics, 3, weights)
+    while follower.latest_published < 3 and time.monotonic() < deadline + 60:
+        time.sleep(0.2)
+    worker.maybe_load_checkpoint()
     follower.stop()
-    assert worker.backend.version == 2
+    assert worker.backend.version == 3
     embed = model.get_input_embeddings().weight
     assert torch.equal(embed, weights["model.embed_tokens.weight"])
     worker.runner.run_step([load_source("math-easy")[3]])
     worker.sink.close()
     worker.code_runner.close()
     versions = {ev.policy_version for events in events_by_episode(stack, topics).values() for _, _, ev in events}
-    assert versions == {2}
+    assert versions == {3}
+
+
+def _run_in_thread(worker: RolloutWorker) -> "threading.Thread":
+    import threading
+
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_worker_waits_for_published_weights_then_generates_only_with_them(
+        stack: Settings, topics: Topics, store: ObjectStore, capfd: pytest.CaptureFixture[str]) -> None:
+    settings = WorkerSettings(ns=topics.ns, producer_id="waiter", group_size=2, max_new_tokens=4, layers=2,
+                              width=64, episodes=4, prompts_per_step=1)
+    worker = RolloutWorker(settings, stack)
+    own = {k: v.clone() for k, v in worker.backend.model.state_dict().items()}  # type: ignore[attr-defined]
+    thread = _run_in_thread(worker)
+    time.sleep(4)
+    assert thread.is_alive() and worker.stats.episodes == 0   # nothing generated with its own weights
+    assert "waiting for a published checkpoint" in capfd.readouterr().err
+    published = {k: (v + 0.25).contiguous() for k, v in own.items() if k != "lm_head.weight"}
+    publish_checkpoint(stack, store, topics, 0, published)
+    thread.join(timeout=120)
+    assert not thread.is_alive() and worker.stats.episodes == 4
+    embed = worker.backend.model.get_input_embeddings().weight  # type: ignore[attr-defined]
+    assert torch.equal(embed, published["model.embed_tokens.weight"])
+    versions = {ev.policy_version for events in events_by_episode(stack, topics).values() for _, _, ev in events}
+    assert versions == {0}
+    turns = [ev.body for events in events_by_episode(stack, topics).values() for _, _, ev in events
+             if isinstance(ev.body, PolicyTurn)]
+    assert {(t.temperature, t.top_p) for t in turns} == {(1.0, 1.0)}   # the sampling settings travel per turn
+
+
+def test_a_restarted_worker_starts_from_the_newest_checkpoint(stack: Settings, topics: Topics,
+                                                              store: ObjectStore) -> None:
+    settings = WorkerSettings(ns=topics.ns, producer_id="restarted", group_size=2, max_new_tokens=4, layers=2,
+                              width=64, episodes=2, prompts_per_step=1, max_policy_lag=0)
+    worker = RolloutWorker(settings, stack)
+    base = {k: v.clone() for k, v in worker.backend.model.state_dict().items() if k != "lm_head.weight"}
+    for version in range(4):  # the fleet had moved on to v3 before this worker (re)started
+        publish_checkpoint(stack, store, topics, version, {k: (v + version).contiguous() for k, v in base.items()})
+    worker.run()
+    assert worker.stats.versions_loaded[-1] == 3 and worker.stats.episodes == 2
+    versions = {ev.policy_version for events in events_by_episode(stack, topics).values() for _, _, ev in events}
+    assert versions == {3}
+    # its own figures on the metrics topic: the episodes it ended, by status, as the events say
+    ended = Counter(ev.body.status for events in events_by_episode(stack, topics).values() for _, _, ev in events
+                    if isinstance(ev.body, EpisodeEnded))
+    figures: Counter[str] = Counter()
+    for message in read_topic(stack, topics.metrics):
+        metric = codec.decode(message.value(), PipelineMetric)
+        if metric.source == "rollout" and metric.name == "rollout/episodes":
+            assert metric.labels["producer"] == "restarted"
+            figures[metric.labels["status"]] += int(metric.value)
+        if metric.name == "rollout/policy_version":
+            assert metric.value == 3
+    assert figures == ended and sum(ended.values()) == 2
+
+
+def test_a_worker_that_follows_nothing_needs_a_checkpoint_or_an_explicit_opt_in(stack: Settings, topics: Topics) -> None:
+    from schemas.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--init-checkpoint"):
+        small_worker(topics.ns, stack, episodes=2).run()

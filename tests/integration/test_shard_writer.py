@@ -20,7 +20,7 @@ from infra.objectstore import ObjectStore
 from infra.settings import Settings
 from schemas import codec
 from schemas.keys import batch_id, shard_key
-from schemas.records import BatchManifest, DeadLetter, Trajectory
+from schemas.records import BatchManifest, DeadLetter, PipelineMetric, Trajectory
 from schemas.topics import Topics
 from tests.unit.test_shards import make_trajectory
 
@@ -129,6 +129,8 @@ def test_writes_exactly_the_expected_shards_and_a_rerun_rewrites_them_identicall
     assert len(got) == 6 and sum(m.num_trajectories for m in got) == 23
     assert committed(stack, topics, f"{topics.ns}.shard-writer") == {0: 12, 1: 11}
     assert "batches=6 trajectories=23" in log.read_text()
+    figures = metric_totals(stack, topics)  # its own figures on the metrics topic say the same
+    assert (figures["shards/batches"], figures["shards/trajectories"], figures["shards/replayed"]) == (6, 23, 0)
 
     # As if every commit had been lost: another group re-reads everything, with other bounds and even
     # another codec. The stored shards fix the cut and are kept, so the manifests are republished unchanged.
@@ -138,6 +140,16 @@ def test_writes_exactly_the_expected_shards_and_a_rerun_rewrites_them_identicall
     again = check_consistent(stack, topics, store, trajs)
     assert len(again) == 12 and set(again) == set(got)
     assert "replayed=6" in log.read_text()
+    assert metric_totals(stack, topics)["shards/replayed"] == 6
+
+
+def metric_totals(stack: Settings, topics: Topics) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for message in read_topic(stack, topics.metrics):
+        metric = codec.decode(message.value(), PipelineMetric)
+        if metric.source == "shards":
+            totals[metric.name] = totals.get(metric.name, 0.0) + metric.value
+    return totals
 
 
 @pytest.mark.slow
@@ -219,3 +231,19 @@ def test_the_writer_waits_out_an_object_store_outage(
     finish(proc, log)
     check_consistent(stack, topics, store, trajs)
     assert committed(stack, topics, f"{topics.ns}.shard-writer") == {0: 6, 1: 6}
+
+
+def test_a_trajectory_re_emitted_into_the_open_batch_is_written_once(
+        stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
+    # Streams killed between flushing a group and recording it closed re-emit it: here both copies arrive
+    # before the batch that holds the first one is written.
+    records, trajs = scored(topics.ns, {0: 4})
+    produce(stack, topics.scored, records[:3] + records[1:3] + records[3:])
+    log = tmp_path / "writer.log"
+    finish(start_writer(stack, topics.ns, log, "--max-trajectories", "10", "--max-age-s", "600",
+                        "--exit-when-idle-s", "3"), log)
+    (manifest,) = manifests(stack, topics)
+    assert manifest.trajectory_ids == tuple(t.trajectory_id for t in trajs)
+    assert (manifest.first_offset, manifest.last_offset) == (0, 5)
+    assert "duplicates=2" in log.read_text()
+    assert committed(stack, topics, f"{topics.ns}.shard-writer")[0] == 6

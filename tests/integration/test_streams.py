@@ -6,11 +6,14 @@ dedupe downstream by trajectory id; what must hold is that none is lost and none
 from __future__ import annotations
 
 import os
+import random
+import re
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -23,6 +26,7 @@ from infra.kafka import Publisher, consumer, end_offsets, read_topic
 from infra.objectstore import ObjectStore
 from infra.settings import Settings
 from schemas.codec import codec
+from schemas.packing import pack_floats, pack_ids
 from schemas.records import DeadLetter, PipelineMetric, PolicyTurn, TaskStats, Trajectory
 from schemas.topics import Topics
 from tests.streams_data import Episode, RecordedStream, events_of, recorded_stream
@@ -49,9 +53,10 @@ def no_worker_outlives_its_test() -> Iterator[None]:
 class Worker:
     """`python -m streams` as a child process, its log in `log`."""
 
-    def __init__(self, stack: Settings, ns: str, log: Path, *args: str) -> None:
-        # no restart on failure: a test must see it
-        env = {**os.environ, **stack.as_env(), "PYTHONUNBUFFERED": "1", "TRAJPIPE_STREAMS_RESTARTS": "1000"}
+    def __init__(self, stack: Settings, ns: str, log: Path, *args: str, fault: str = "") -> None:
+        # no restart on failure, so that a test sees it, unless a fault is injected (see infra.faults)
+        env = {**os.environ, **stack.as_env(), "PYTHONUNBUFFERED": "1",
+               "TRAJPIPE_STREAMS_RESTARTS": "0" if fault else "1000", "TRAJPIPE_FAULT": fault}
         self.log = log
         self.proc = subprocess.Popen([sys.executable, "-m", "streams", "--ns", ns, *FAST, *args], cwd=ROOT, env=env,
                                      stdout=subprocess.DEVNULL, stderr=log.open("a"))
@@ -188,6 +193,58 @@ def test_kill_9_mid_stream_loses_no_episode_and_recovers_the_half_sent_ones(stac
         assert (traj.status == "abandoned") == (episodes[key].status is None)
 
 
+def long_episode(i: int, run: str, tokens: int) -> list[tuple[bytes, bytes]]:
+    """One math episode of group g-long whose single turn is `tokens` long (right when i is even)."""
+    ep = Episode(f"ep-long-{i}", "g-long", "math", 16, i % 2 == 0)
+    rng = random.Random(i)
+    text = "".join(rng.choice("abcdefgh ") for _ in range(tokens - 40)) + (" The answer is 7" if ep.right
+                                                                          else " The answer is 8")
+    events = []
+    for event in events_of(ep, 1_000 * (i + 1), run=run):
+        if isinstance(event.body, PolicyTurn):
+            event = replace(event, body=replace(event.body, text=text, tokens=pack_ids(
+                [rng.randrange(3, 259) for _ in range(tokens)]), logprobs=pack_floats([-0.5] * tokens)))
+        events.append((ep.episode_id.encode(), codec.encode(event)))
+    return events
+
+
+def test_a_group_of_16_trajectories_of_32k_tokens_each_is_scored_without_a_restart(
+        stack: Settings, topics: Topics, tmp_path: Path) -> None:
+    log = tmp_path / "worker.log"
+    worker = Worker(stack, topics.ns, log, "--group-timeout-s", "120")
+    # 15 members first, so the open group is kept in the changelog, then the 16th
+    publish(stack, topics, [m for i in range(15) for m in long_episode(i, topics.ns, 32_768)])
+    wait_until(lambda: count(stack, topics.trajectories) >= 15, worker)
+    time.sleep(3)  # the group agent takes in the 15 and writes the open group
+    publish(stack, topics, long_episode(15, topics.ns, 32_768))
+    wait_until(lambda: count(stack, topics.scored) >= 16, worker, timeout=180)
+    assert worker.stop() == 0
+    scored = records(stack, topics.scored)
+    assert len({t.trajectory_id for t in scored}) == 16 and all(len(t.turns[0].tokens) == 4 * 32_768 for t in scored)
+    assert "restarting" not in log.read_text()
+    largest = max(len(m.value() or b"") for m in read_topic(stack, topics.changelog("groups")))
+    assert largest < 1024 * 1024, f"a groups changelog value of {largest} bytes"
+
+
+def test_a_wedged_worker_notices_it_and_restarts_within_the_stall_limit(stack: Settings, topics: Topics,
+                                                                        tmp_path: Path) -> None:
+    stream = recorded_stream(run=topics.ns, bad=False, duplicates=0)
+    publish(stack, topics, stream.messages)
+    log = tmp_path / "worker.log"
+    started = time.monotonic()
+    # its events agent hangs on the first batch, as a client stuck after a broker restart would
+    worker = Worker(stack, topics.ns, log, "--stall-restart-s", "10", fault="wedged_batch:1")
+    wait_until(lambda: len(by_id(stack, topics.scored)) >= len(stream.expect_scored)
+               and len(by_id(stack, topics.trajectories)) >= len(stream.episodes), worker, timeout=120)
+    took = time.monotonic() - started
+    assert worker.stop() == 0
+    text = log.read_text()
+    assert "streams worker stuck: no progress for" in text and "records waiting on" in text, text[-3000:]
+    assert text.count("restarting (attempt") == 1  # the fault fires once; the restarted process finishes
+    assert set(by_id(stack, topics.trajectories)) == ended_ids(stream)
+    print(f"a wedged worker restarted and finished in {took:.0f} s")
+
+
 @pytest.mark.slow
 def test_the_same_input_twice_gives_byte_identical_scored_trajectories(stack: Settings, ns: str,
                                                                         tmp_path: Path) -> None:
@@ -240,3 +297,80 @@ def test_a_partition_count_that_does_not_match_is_refused(stack: Settings, topic
     done = subprocess.run([sys.executable, "-m", "streams", "--ns", topics.ns, "--partitions", "3"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "pass --partitions 2" in done.stderr
+
+
+def test_demonstrations_published_by_a_worker_reach_the_scored_topic(stack: Settings, topics: Topics,
+                                                                       tmp_path: Path) -> None:
+    env = {**os.environ, **stack.as_env(), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "producers", "--ns", topics.ns, "--sources", "reverse",
+                           "--demonstrations", "12", "--layers", "2", "--width", "64"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert count(stack, topics.events) == 36          # started, the gold turn, ended: per demonstration
+    worker = Worker(stack, topics.ns, tmp_path / "streams.log")
+    wait_until(lambda: count(stack, topics.scored) >= 12, worker)  # groups of one, kept: they teach by imitation
+    assert worker.stop() == 0
+    scored = [t for t in records(stack, topics.scored) if isinstance(t, Trajectory)]
+    assert len({t.trajectory_id for t in scored}) == 12
+    assert all(t.reward_components["outcome/correct"] == 1.0 and t.reward_components["status/demonstration"] == 1.0
+               and t.advantage == 0.0 and t.domain == "text" for t in scored)
+
+
+def holders(stack: Settings, topics: Topics) -> list[set[int]]:
+    """The events partitions each member of the streams group holds."""
+    from infra.kafka import group_assignment
+
+    try:
+        return sorted(group_assignment(stack, topics.streams_app_id, topics.events).values(), key=sorted)
+    except Exception:  # the group is forming
+        return []
+
+
+@pytest.mark.slow
+def test_workers_share_the_partitions_a_killed_ones_move_and_a_spare_one_idles(stack: Settings, topics: Topics,
+                                                                               tmp_path: Path) -> None:
+    """Two workers from the start; one is killed -9 mid-stream and its partition moves; a third joins, then a
+    fourth that finds no partition and idles. Every ended episode in exactly one trajectory id, re-sends
+    byte-identical, and the task pass counts on the feed equal counts made from the trajectories topic."""
+    from producers.feeds import TaskStatsFollower
+    from streams import grouping
+
+    stream = recorded_stream(run=topics.ns)  # its event times span 3.2 s: no episode idles 8 s of them
+    spare = ["--unassigned-restart-s", "3", "--episode-timeout-s", "8", "--group-timeout-s", "8"]
+    a, b = Worker(stack, topics.ns, tmp_path / "a.log", *spare), Worker(stack, topics.ns, tmp_path / "b.log", *spare)
+    wait_until(lambda: holders(stack, topics) == [{0}, {1}], a, timeout=90)
+    half = len(stream.messages) // 2
+    publish(stack, topics, stream.messages[:half])
+    # a few episodes of the first half end; the others stay open (the rest of their events comes next) and
+    # must be closed by whichever worker holds their partition then
+    wait_until(lambda: count(stack, topics.trajectories) >= 2, b)
+    a.kill()
+    publish(stack, topics, stream.messages[half:])
+    run_to_completion(stack, topics, stream, tmp_path / "b.log", worker=b)  # b took over a's partition
+    c = Worker(stack, topics.ns, tmp_path / "c.log", *spare)
+    wait_until(lambda: len(holders(stack, topics)) == 2 and all(holders(stack, topics)), c, timeout=90)
+    # b let go of the state of the partition c took (c recovered it from the changelog)
+    assert re.search(r"holding partitions \[\d\]; let go of \d+", b.log.read_text()), b.log.read_text()[-3000:]
+    d = Worker(stack, topics.ns, tmp_path / "d.log", *spare)
+    wait_until(lambda: len(holders(stack, topics)) == 3, d, timeout=90)
+    time.sleep(12)  # four watchdog rounds past --unassigned-restart-s
+    d.check_alive()
+    assert "stuck" not in d.log.read_text() and "restarting" not in d.log.read_text(), d.log.read_text()[-2000:]
+    assert sorted(len(h) for h in holders(stack, topics)) == [0, 1, 1]
+    for worker in (b, c, d):
+        assert worker.stop() == 0
+
+    trajectories = [codec.decode(v) for v in by_id(stack, topics.trajectories).values()]  # re-sends identical
+    assert {t.trajectory_id for t in trajectories} == ended_ids(stream)
+    scored = by_id(stack, topics.scored)
+    assert sorted(scored) == sorted(stream.expect_scored)
+    expected: dict[str, tuple[int, int]] = {}
+    for t in trajectories:
+        attempts, passes = expected.get(t.task_id, (0, 0))
+        if grouping.is_trainable(t):
+            expected[t.task_id] = (attempts + 1, passes + int(grouping.passed(t)))
+    stats: dict[str, tuple[int, int]] = {}
+    follower = TaskStatsFollower(stack, topics, stats)
+    for message in read_topic(stack, topics.task_stats):
+        follower.fold(message.key(), codec.decode(message.value(), TaskStats))
+    assert stats == {task: counts for task, counts in expected.items() if counts[0]}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import shutil
 import subprocess
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from infra.launcher import COMPOSE_VERSION, Launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "infra" / "docker-compose.yml"
@@ -44,6 +47,39 @@ def test_servers_have_health_checks_and_named_volumes(compose: dict) -> None:  #
     assert services["streams"]["depends_on"]["bootstrap"]["condition"] == "service_completed_successfully"
 
 
+def test_kafka_writes_its_log_on_the_named_volume(compose: dict) -> None:  # type: ignore[type-arg]
+    brokers = {name: svc for name, svc in compose["services"].items() if name.startswith("kafka")}
+    assert set(brokers) == {"kafka", "kafka-2", "kafka-3"}
+    sources = []
+    for name, kafka in brokers.items():
+        log_dirs = kafka["environment"]["KAFKA_LOG_DIRS"].split(",")
+        mounts = {v.split(":")[1]: v.split(":")[0] for v in kafka["volumes"]}
+        for path in log_dirs:
+            assert mounts.get(path) in set(compose["volumes"]), f"{name}'s log dir {path} is not on a named volume"
+            sources.append(mounts[path])
+    assert len(set(sources)) == 3  # each broker its own volume
+    ids = {kafka["environment"]["KAFKA_NODE_ID"] for kafka in brokers.values()}
+    assert ids == {1, 2, 3} and all(kafka["environment"]["CLUSTER_ID"] == brokers["kafka"]["environment"]["CLUSTER_ID"]
+                                    for kafka in brokers.values())
+    assert brokers["kafka-2"]["profiles"] == brokers["kafka-3"]["profiles"] == ["cluster"]
+
+
+def test_health_checks_use_only_what_their_images_ship(compose: dict) -> None:  # type: ignore[type-arg]
+    minio = " ".join(compose["services"]["minio"]["healthcheck"]["test"])
+    assert "curl" not in minio and "wget" not in minio and "mc ready local" in minio
+    kafka = " ".join(compose["services"]["kafka"]["healthcheck"]["test"])
+    assert "/opt/kafka/bin/" in kafka  # the image's own tools
+
+
+def test_every_setting_a_service_is_given_is_one_the_code_reads(compose: dict) -> None:  # type: ignore[type-arg]
+    from tests.unit.test_readme_config import read_in_code
+
+    read = read_in_code()
+    given = {name for svc in compose["services"].values() if "build" in svc
+             for name in svc.get("environment", {}) if name.startswith("TRAJPIPE_")}
+    assert given and given <= read, f"dead settings in the compose file: {sorted(given - read)}"
+
+
 def test_credentials_come_from_the_env_file(compose: dict) -> None:  # type: ignore[type-arg]
     text = COMPOSE.read_text()
     for key in ("MINIO_ROOT_PASSWORD", "TRAJPIPE_S3_SECRET_KEY"):
@@ -60,13 +96,36 @@ def test_dockerfiles_copy_paths_that_exist() -> None:
                     assert (ROOT / src).exists(), f"{dockerfile.name}: COPY {src} does not exist"
 
 
-def test_compose_config_parses_with_the_docker_cli_when_present(tmp_path: Path) -> None:
-    """`docker compose config` is the authority when the plugin is installed; the checks above cover the rest."""
+def test_compose_config_validates_the_file_with_the_compose_binary(tmp_path: Path) -> None:
+    """`docker-compose config` (built from the Compose module by `python -m infra fetch`; a docker CLI with
+    the compose plugin does as well) is the authority on the file's syntax and interpolation."""
+    built = Launcher().root / "compose" / COMPOSE_VERSION / "docker-compose"
     docker = shutil.which("docker")
-    if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
-        pytest.skip("the docker compose plugin is not installed here; the YAML structure tests above ran instead")
+    if built.exists():
+        command = [str(built)]
+    elif docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        command = [docker, "compose"]
+    else:
+        pytest.skip("no docker-compose: `python -m infra fetch` builds it (CI does); the YAML tests above ran")
     env = tmp_path / ".env"
     env.write_text("MINIO_ROOT_USER=u\nMINIO_ROOT_PASSWORD=p\n")
-    proc = subprocess.run([docker, "compose", "-f", str(COMPOSE), "--env-file", str(env), "config", "-q"],
+    proc = subprocess.run([*command, "-f", str(COMPOSE), "--env-file", str(env), "config", "-q"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+    cluster = ("MINIO_ROOT_USER=u\nMINIO_ROOT_PASSWORD=p\nGRAFANA_ADMIN_PASSWORD=g\nKAFKA_REPLICATION=3\nKAFKA_MIN_ISR=2\n"
+               "KAFKA_VOTERS=1@kafka:9093,2@kafka-2:9093,3@kafka-3:9093\n"
+               "TRAJPIPE_KAFKA_BOOTSTRAP=kafka:9092,kafka-2:9092,kafka-3:9092\n")
+    env.write_text(cluster)  # every profile: three brokers, Prometheus and Grafana
+    proc = subprocess.run([*command, "-f", str(COMPOSE), "--env-file", str(env), "--profile", "cluster", "--profile",
+                           "observability", "config", "--format", "json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    resolved = json.loads(proc.stdout)["services"]
+    assert {"kafka-2", "kafka-3", "prometheus", "grafana"} <= set(resolved)
+    for broker in ("kafka", "kafka-2", "kafka-3"):
+        assert resolved[broker]["environment"]["KAFKA_CONTROLLER_QUORUM_VOTERS"].count("@") == 3
+        assert resolved[broker]["environment"]["KAFKA_MIN_INSYNC_REPLICAS"] == "2"
+    assert resolved["learner"]["environment"]["TRAJPIPE_KAFKA_BOOTSTRAP"].count(",") == 2
+    env.write_text("MINIO_ROOT_USER=u\n")  # a missing secret: refused with the file's own message
+    proc = subprocess.run([*command, "-f", str(COMPOSE), "--env-file", str(env), "config", "-q"],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "set MINIO_ROOT_PASSWORD in the env file" in proc.stderr

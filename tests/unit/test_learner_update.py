@@ -24,12 +24,13 @@ from learner.checkpoint_files import (
 from learner.losses import token_logprobs
 from learner.model import build_policy, frozen_reference
 from learner.pairs import preference_pairs
-from learner.update import Trainer, TrainConfig, select_trajectories
+from learner.checkpoint_store import prunable
+from learner.update import Lineage, Trainer, TrainConfig, policy_lag, select_trajectories
 from schemas.errors import CheckpointError, ConfigError, IntegrityError, ValidationError
 from schemas.manifests import CheckpointManifest
 from schemas.models import EOS_ID, PAD_ID
 from schemas.packing import pack_floats, pack_ids
-from schemas.records import Trajectory, TrajectoryTurn
+from schemas.records import DEMONSTRATION_VERSION, Trajectory, TrajectoryTurn
 
 Turn = tuple[list[int], list[int], list[float], int]  # observation ids, generated ids, behaviour log-probs, version
 
@@ -174,6 +175,49 @@ def test_stale_trajectories_are_downweighted_and_counted() -> None:
     assert batch.advantages.sum(-1).tolist() == [2.0, 1.0, 0.5]              # 2 generated tokens, advantage 1
 
 
+def _of_run(run: str, *versions: int) -> Trajectory:
+    turns = [([], [20 + i], [-1.0], v) for i, v in enumerate(versions)]
+    return dataclasses.replace(make_trajectory([10], turns, reward=1.0, advantage=1.0), run=run)
+
+
+# "retrain" started from src:v5 (--init), and src itself started from root:v4; the learner is at v3
+RETRAIN = Lineage(run="retrain", ancestors=(("src", 5), ("root", 4)))
+
+
+@pytest.mark.parametrize("run, versions, lag", [
+    ("retrain", (1, 2), 2),     # its own turns: 3 - 1
+    ("src", (5,), 3),           # the checkpoint it started from: 3 updates since
+    ("src", (2, 5), 6),         # 3 versions before it on src's path, then 3 updates: the oldest turn decides
+    ("src", (7,), 5),           # a branch the retrain never took: v7 is 2 past v5 on src, v3 is 3 past it here
+    ("root", (4,), 8),          # src's own origin: 3 here + 5 on src + 0
+    ("root", (1,), 11),
+])
+def test_policy_lag_is_measured_along_the_lineage_never_negative(run: str, versions: tuple[int, ...], lag: int) -> None:
+    assert policy_lag(_of_run(run, *versions), 3, RETRAIN) == lag
+
+
+def test_turns_of_a_run_outside_the_lineage_train_offline_only_and_are_counted() -> None:
+    # A learner at v0 on replayed history whose turns say v6: before lineage, a lag of -6 weighted 1 (GRPO
+    # ratios against a policy this learner never was)
+    history = [_of_run("src", 6), _of_run("src", 9)]
+    fresh = Lineage(run="retrain")
+    assert policy_lag(history[0], 0, fresh) is None
+    sel = select_trajectories(history, current_version=0, config=TrainConfig(), lineage=fresh)
+    assert sel.kept == [] and sel.counts["skipped/foreign"] == 2 and sel.counts["policy_lag/ahead"] == 0
+    assert all("--init src:vK" in why for why in sel.dropped.values())
+    sft = select_trajectories(history, current_version=0, config=TrainConfig(algorithm="sft"), lineage=fresh)
+    assert len(sft.kept) == 2 and sft.counts["policy_lag/foreign"] == 2 and sft.counts["skipped/foreign"] == 0
+    # --init src:v6: v6's turn is the learner's v0 (lag 0); v9's is 3 versions away on a branch it never took
+    named = select_trajectories(history, 0, TrainConfig(max_policy_lag=2), Lineage("retrain", ancestors=(("src", 6),)))
+    assert [t for t, _ in named.kept] == history[:1]
+    assert (named.counts["policy_lag/0"], named.counts["policy_lag/3-4"], named.counts["stale/dropped"]) == (1, 1, 1)
+
+
+def test_a_rebuild_counts_the_source_runs_versions_as_its_own() -> None:
+    rebuild = Lineage(run="copy", replicates=("src",))
+    assert policy_lag(_of_run("src", 4), 6, rebuild) == 2 and policy_lag(_of_run("other", 4), 6, rebuild) is None
+
+
 def test_unfinished_episodes_are_skipped_and_sft_keeps_only_successes() -> None:
     trajs = [_versioned(0, "abandoned"), _versioned(0, "aborted"), _versioned(0, "error"),
              _versioned(0, "truncated"), _versioned(0, "completed", reward=0.2), _versioned(0, "completed")]
@@ -241,7 +285,7 @@ def test_gradient_accumulation_equals_the_whole_batch() -> None:
         trainer = Trainer(model, TrainConfig(kl_coef=0.05, grad_accum=accum, loss_agg="token-mean"))
         trajs = _batch_for(model)
         batches, _ = trainer.micro_batches([(t, 1.0) for t in trajs])
-        trainer.accumulate(batches, current_version=0)
+        trainer.accumulate(batches)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
 
@@ -252,7 +296,7 @@ def test_gradient_checkpointing_gives_the_same_gradients() -> None:
         model = tiny_model()
         trainer = Trainer(model, TrainConfig(grad_checkpointing=checkpointing))
         batches, _ = trainer.micro_batches([(t, 1.0) for t in _batch_for(model)])
-        trainer.accumulate(batches, current_version=0)
+        trainer.accumulate(batches)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
 
@@ -393,3 +437,50 @@ def test_policy_builds_from_a_local_dir(tmp_path: Path) -> None:
     assert torch.allclose(token_logprobs(reference, ids, attn), expected)
     assert policy.training and not reference.training
     assert not any(p.requires_grad for p in reference.parameters())
+
+
+# --- what the ratios assume: sampling settings, demonstrations --------------------------------------------
+
+def _sampled(temperature: float | None, top_p: float | None = None) -> Trajectory:
+    base = _versioned(0)
+    turns = tuple(dataclasses.replace(t, temperature=temperature, top_p=top_p) for t in base.turns)
+    return dataclasses.replace(base, turns=turns)
+
+
+def test_data_sampled_at_another_temperature_is_refused_and_counted() -> None:
+    trajs = [_sampled(1.0, 1.0), _sampled(0.7), _sampled(1.0, 0.9), _sampled(None)]
+    sel = select_trajectories(trajs, current_version=0, config=TrainConfig(temperature=1.0))
+    assert [t for t, _ in sel.kept] == [trajs[0], trajs[3]]
+    assert sel.counts["skipped/sampling_mismatch"] == 2
+    assert sel.counts["sampling/unrecorded"] == 1   # data from before turns recorded it: kept, but counted
+    cooler = select_trajectories(trajs, current_version=0, config=TrainConfig(temperature=0.7))
+    assert [t for t, _ in cooler.kept] == [trajs[1], trajs[3]]
+
+
+def _demonstration() -> Trajectory:
+    demo = make_trajectory([10], [([], [20, 21], [0.0, 0.0], DEMONSTRATION_VERSION)], reward=1.0)
+    return dataclasses.replace(demo, reward_components={"outcome/correct": 1.0, "status/demonstration": 1.0})
+
+
+def test_demonstrations_are_imitated_by_sft_and_never_used_for_ratios() -> None:
+    demo, rollout = _demonstration(), _versioned(9)
+    sft = select_trajectories([demo, rollout], current_version=40, config=TrainConfig(algorithm="sft"))
+    assert [t for t, _ in sft.kept] == [demo]      # however late it arrives: no policy made it, it is never stale
+    assert sft.counts["batch/demonstrations"] == 1 and sft.counts["stale/dropped"] == 1
+    grpo = select_trajectories([demo, rollout], current_version=9, config=TrainConfig())
+    assert [t for t, _ in grpo.kept] == [rollout] and grpo.counts["skipped/demonstration"] == 1
+
+
+def test_an_sft_step_on_demonstrations_lowers_their_loss() -> None:
+    model = tiny_model()
+    trainer = Trainer(model, TrainConfig(algorithm="sft", lr=1e-2))
+    first = trainer.step([_demonstration()] * 4, current_version=0)
+    for _ in range(5):
+        last = trainer.step([_demonstration()] * 4, current_version=0)
+    assert first["train/updated"] == 1.0 and last["loss/sft"] < first["loss/sft"]
+
+
+def test_a_retention_lets_each_version_go_once_and_never_v0_the_reference_or_every_nth() -> None:
+    let_go = [prunable(v, keep_last=2, keep_every=5, protected={0, 4}) for v in range(1, 16)]
+    assert [v for v in let_go if v is not None] == [1, 2, 3, 6, 7, 8, 9, 11, 12, 13]
+    assert all(prunable(v, keep_last=0, keep_every=0, protected={0}) is None for v in range(20))

@@ -281,3 +281,28 @@ def test_dpo_loss_agrees_with_trl() -> None:
     assert ours.item() == pytest.approx(float(theirs), rel=1e-6)
     assert metrics["rewards/accuracy"] == pytest.approx(stub._metrics["train"]["rewards/accuracies"][0])
     assert metrics["rewards/margin"] == pytest.approx(stub._metrics["train"]["rewards/margins"][0], rel=1e-6)
+
+
+def test_dual_clip_bounds_a_stale_token_with_a_negative_advantage() -> None:
+    # One stale token whose ratio exploded to 50 (its behaviour log-prob was tiny) with A = -1, beside
+    # three on-policy tokens with A = +1. Unbounded, the stale token's 50 * |A| outweighs everything else.
+    lp = torch.tensor([[-0.1, -1.0, -1.0, -1.0]], requires_grad=True)
+    old = torch.tensor([[-0.1 - math.log(50.0), -1.0, -1.0, -1.0]])
+    mask = torch.ones(1, 4)
+    adv = torch.tensor([[-1.0, 1.0, 1.0, 1.0]])
+    loose, _ = grpo_loss(lp, old, adv, mask, clip_eps=0.2)
+    assert loose.item() == pytest.approx((50.0 - 3.0) / 4, rel=1e-5)
+    loss, metrics = grpo_loss(lp, old, adv, mask, clip_eps=0.2, dual_clip=3.0)
+    assert loss.item() == pytest.approx((3.0 - 3.0) / 4, abs=1e-6)          # capped at c * |A| = 3
+    assert metrics["stats/dual_clip_frac"] == pytest.approx(0.25)
+    loss.backward()
+    assert lp.grad is not None
+    assert lp.grad[0, 0].item() == 0.0                                        # the capped token pushes nothing
+    assert lp.grad[0, 1:].tolist() == pytest.approx([-0.25] * 3)              # the others keep their gradient
+
+
+def test_dual_clip_leaves_ordinary_ratios_alone() -> None:
+    t = tensors()
+    plain, _ = grpo_loss(t["lp"], t["old"], t["adv"], t["mask"], clip_eps=0.2)
+    dual, _ = grpo_loss(t["lp"], t["old"], t["adv"], t["mask"], clip_eps=0.2, dual_clip=3.0)
+    assert dual.item() == pytest.approx(plain.item())

@@ -9,7 +9,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from consumers.monitor import StatsCollector, dashboard
-from consumers.monitoring import PipelineStats, Welford, consumer_lag, sparkline, trajectory_version
+from consumers.monitoring import PipelineStats, consumer_lag, sparkline, trajectory_version
+from infra.metrics import Welford
 from consumers.report import PLOTS, write_report
 from schemas import codec
 from schemas.records import CheckpointPublished, DeadLetter, PipelineMetric
@@ -126,6 +127,9 @@ def test_prometheus_view_has_the_same_figures() -> None:
     assert m[("trajpipe_deadletter_total", (("reason", "bad_magic"),))] == 2
     assert m[("trajpipe_sandbox_outcomes_total", (("outcome", "failed"),))] == 2
     assert m[("trajpipe_reward_mean", (("domain", "math"),))] == 0.5
+    # outcome/correct 1.0, 0.0 and 0.5 in math (one solved), 0.2 in code (none)
+    assert abs(m[("trajpipe_success_rate", (("domain", "math"),))] - 1 / 3) < 1e-12
+    assert m[("trajpipe_success_rate", (("domain", "code"),))] == 0.0
     assert m[("trajpipe_scored_trajectories_total", (("domain", "code"),))] == 1
     assert m[("trajpipe_consumer_lag", (("group", "mon.streams"), ("topic", TOPICS.events)))] == 7
     assert m[("trajpipe_policy_version", (("source", "checkpoint"),))] == 3

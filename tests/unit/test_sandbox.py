@@ -26,9 +26,10 @@ from producers.sandbox import (
     run_tests,
     unavailable_reason,
 )
-from producers.sandbox import identity
+from producers.sandbox import cgroups, identity
 from producers.sandbox.assertions import instrument_tests
 from producers.sandbox.bwrap_backend import BwrapBackend
+from producers.sandbox.selection import ALLOW_UNISOLATED_VAR, ISOLATING
 from producers.sandbox.subprocess_backend import SubprocessBackend, usable_by_other_uid
 from schemas.errors import ConfigError
 
@@ -54,7 +55,7 @@ def backend(request: pytest.FixtureRequest) -> Backend:
     reason = unavailable_reason(request.param)
     if reason is not None:
         pytest.skip(f"{request.param} backend unavailable on this machine: {reason}")
-    return choose_backend(request.param)
+    return choose_backend(request.param, allow_unisolated=True)
 
 
 def _subprocess_as_throwaway_uid() -> Backend:
@@ -412,14 +413,79 @@ def test_broken_tests_are_infra_error() -> None:
 
 def test_choice_by_argument_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRAJPIPE_SANDBOX", "subprocess")
+    monkeypatch.setenv(ALLOW_UNISOLATED_VAR, "1")
     assert choose_backend().name == "subprocess"
     if unavailable_reason("bwrap") is None:
         assert choose_backend("bwrap").name == "bwrap"  # the argument wins over the environment
     with pytest.raises(ConfigError):
         choose_backend("chroot")
     monkeypatch.delenv("TRAJPIPE_SANDBOX")
-    best = next(name for name in BACKEND_NAMES if unavailable_reason(name) is None)
+    best = next(name for name in ISOLATING if unavailable_reason(name) is None)
     assert choose_backend().name == best
+
+
+def test_auto_never_picks_the_unisolated_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine with neither bwrap nor a Docker engine (PATH without them) runs no model-written code."""
+    monkeypatch.delenv("TRAJPIPE_SANDBOX", raising=False)
+    monkeypatch.setenv(ALLOW_UNISOLATED_VAR, "1")  # even allowed, "auto" does not fall back to it
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
+    _forget_backends()
+    try:
+        with pytest.raises(SandboxUnavailable, match="apt-get install -y bubblewrap"):
+            choose_backend()
+        with pytest.raises(SandboxUnavailable, match="no isolating sandbox"):
+            SandboxPool(workers=1)
+    finally:
+        _forget_backends()
+
+
+def test_the_unisolated_backend_needs_an_explicit_loud_opt_in(monkeypatch: pytest.MonkeyPatch,
+                                                              capfd: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv(ALLOW_UNISOLATED_VAR, raising=False)
+    for how in ({"name": "subprocess"}, {"name": None}):
+        if how["name"] is None:
+            monkeypatch.setenv("TRAJPIPE_SANDBOX", "subprocess")
+        with pytest.raises(SandboxUnavailable, match=ALLOW_UNISOLATED_VAR):
+            choose_backend(how["name"])
+    _forget_backends()
+    monkeypatch.setenv(ALLOW_UNISOLATED_VAR, "1")
+    assert choose_backend().name == "subprocess"
+    assert "WITHOUT isolation" in capfd.readouterr().err
+    monkeypatch.setenv(ALLOW_UNISOLATED_VAR, "0")
+    with pytest.raises(SandboxUnavailable):
+        choose_backend()
+    assert choose_backend(allow_unisolated=True).name == "subprocess"
+
+
+def test_secrets_in_the_hosts_environment_never_reach_the_program(backend: Backend,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    if isinstance(backend, SubprocessBackend) and not backend.drops_privileges:
+        pytest.skip(NOT_ISOLATED + " (as this uid it reads its parent's /proc/PID/environ)")
+    secret = "s3cr3t-" + os.urandom(8).hex()
+    monkeypatch.setenv("TRAJPIPE_S3_SECRET_KEY", secret)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    code = ("import os\n"
+            "def f():\n"
+            "    seen = repr(dict(os.environ))\n"
+            "    for pid in os.listdir('/proc'):\n"
+            "        try:\n"
+            "            seen += open(f'/proc/{pid}/environ', 'rb').read().decode('latin-1')\n"
+            "        except Exception:\n"
+            "            pass\n"
+            "    print(seen)\n"
+            "    return 1\n")
+    result = run_tests(code, "def check(candidate):\n    assert candidate() == 1\n", "f", FAST, backend)
+    assert result.outcome in ("passed", "output_truncated"), result
+    assert secret not in result.stdout + result.stderr
+    assert "PATH" in result.stdout  # the program did print its environment
+
+
+def _forget_backends() -> None:
+    from producers.sandbox import selection
+
+    selection.unavailable_reason.cache_clear()
+    selection._build.cache_clear()
 
 
 def test_unavailable_backend_by_name_raises() -> None:
@@ -477,3 +543,48 @@ def test_loop_asserts_count_each_execution(backend: Backend) -> None:
     result = run_tests("def ident(x):\n    return x if x < 7 else -1\n", tests, "ident", FAST, backend)
     assert (result.outcome, result.tests_passed, result.tests_total) == ("failed", 7, 10)
     assert "candidate returned: -1" in result.stderr
+
+
+# ---------------------------------------------------------------- limits per run, not per process
+
+def test_a_run_cannot_write_more_than_its_disk_limit(isolating: Backend) -> None:
+    """Many files, each under the per-file cap: the run's writable space (its work dir and /tmp) is a
+    bounded tmpfs, not the host's disk."""
+    result = probe(isolating, """
+        import os
+        written = 0
+        for where in (".", "/tmp"):
+            for i in range(400):
+                try:
+                    with open(os.path.join(where, f"fill-{i}"), "wb") as f:
+                        f.write(b"x" * (1 << 20))
+                    written += 1
+                except OSError:
+                    break
+        print("written MB", written)
+        return "contained" if written < 400 else "filled"
+    """, Limits(wall_time_s=20.0, cpu_time_s=20.0, disk_mb=32, file_size_mb=8))
+    assert result.outcome == "passed", result
+    written = int(result.stdout.split("written MB")[1].split()[0])
+    assert 16 <= written <= 32 + 8  # about disk_mb + file_size_mb: both tmpfs filled, nothing more
+
+
+def test_a_run_of_many_processes_is_bounded_as_a_whole(isolating: Backend) -> None:
+    """Six processes of 300 MB each stay under the 512 MB per-process limit, but not the run's 1 GB."""
+    if not getattr(isolating, "bounds_run_memory", True):
+        pytest.skip(f"no memory cgroup can be made here: {cgroups.unavailable_reason()}; the run is bounded "
+                    "by processes x memory_mb only")
+    result = probe(isolating, """
+        import os, time
+        children = []
+        for _ in range(6):
+            pid = os.fork()
+            if pid == 0:
+                block = b"x" * (300 << 20)
+                time.sleep(5)
+                os._exit(0)
+            children.append(pid)
+        statuses = [os.waitpid(pid, 0)[1] for pid in children]
+        return "contained" if any(statuses) else "all six held 300 MB"
+    """, Limits(wall_time_s=30.0, cpu_time_s=30.0, memory_mb=512, run_memory_mb=1024, processes=16))
+    assert result.outcome in ("passed", "memory_exceeded"), result  # children killed, or the judge too

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import zlib
+from types import SimpleNamespace
 from collections import Counter
 from dataclasses import replace
 from typing import Any, Optional
@@ -11,15 +13,15 @@ import pytest
 
 from schemas.codec import codec
 from schemas.errors import ValidationError
-from schemas.packing import join_payload, split_payload
-from schemas.records import DeadLetter, PipelineMetric, RolloutEvent, TaskStats, Trajectory
+from schemas.packing import join_payload, pack_floats, pack_ids, split_payload
+from schemas.records import DeadLetter, PipelineMetric, PolicyTurn, RolloutEvent, TaskStats, Trajectory
 from streams.app import build_app
 from streams.outbox import MemoryOutbox
 from streams.rewards import RewardResult
 from streams.runtime import StreamsApp
 from streams.scoring import Scorer
 from streams.settings import StreamSettings
-from streams.state import load_closed_episode, load_episode
+from streams.state import load_closed_episode, load_episode, load_group
 from tests.streams_data import Episode, events_of, recorded_stream
 
 NS = "unit"
@@ -112,10 +114,67 @@ def test_a_restarted_worker_recovers_a_half_sent_episode_from_the_changelog() ->
     assert traj.trajectory_id == ep.trajectory_id and len(traj.turns) == 2 and len(traj.source_offsets) == 6
 
 
+def test_a_restarted_worker_completes_a_half_received_group_from_the_changelog() -> None:
+    members = [Episode(f"ep-h{i}", "g-h", "math", 4, i % 2 == 0) for i in range(4)]
+    first, outbox = make_app()
+    asyncio.run(put_events(first, episode_messages(*members)))
+    trajectories = outbox.to(f"{NS}.trajectories")
+    outbox.sent = [s for s in outbox.sent if s.topic != f"{NS}.trajectories"]
+    outbox.sent += trajectories[:3]
+    asyncio.run(put_trajectories(first, outbox))
+    assert decoded(outbox, "trajectories.scored") == []  # 3 of 4: the group waits
+    writes = outbox.to(f"{NS}.streams-groups-changelog")
+    # one value per member record, each written once, and the group's value holds no record
+    records = [w for w in writes if w.value is not None and w.value.startswith(b"GRM1")]
+    groups = [w.value for w in writes if w.key == b"g-h" and w.value is not None]
+    assert len(records) == 3 and groups and all(r.value[4:] not in g for r in records for g in groups)  # type: ignore
+
+    second, outbox2 = make_app()
+    for write in writes:  # what Faust replays on start
+        second.pipeline.tables.groups.table.data[write.key] = load_group(write.value)  # type: ignore
+    outbox2.sent = [trajectories[3]]
+    asyncio.run(put_trajectories(second, outbox2))
+    scored = outbox2.to(f"{NS}.trajectories.scored")
+    assert len(scored) == 4
+    by_id = {codec.decode(t.value).trajectory_id: codec.decode(t.value) for t in scored}
+    assert set(by_id) == {m.trajectory_id for m in members}
+    assert abs(sum(t.advantage for t in by_id.values())) < 1e-9
+    assert all(t.turns for t in by_id.values())  # recovered members' records are whole
+    tombstones = {w.key for w in outbox2.to(f"{NS}.streams-groups-changelog") if w.value is None}
+    assert tombstones == {r.key for r in records}  # the closed group's member records are forgotten
+
+
+def big_turn(ep: Episode, tokens: int, ts: int = 1_000) -> list[tuple[bytes, bytes]]:
+    out = []
+    for event in events_of(ep, ts):
+        if isinstance(event.body, PolicyTurn):
+            event = replace(event, body=replace(event.body, tokens=pack_ids([7] * tokens),
+                                                logprobs=pack_floats([-0.5] * tokens)))
+        out.append((ep.episode_id.encode(), codec.encode(event)))
+    return out
+
+
+def test_what_would_not_fit_a_record_is_dead_lettered_as_oversize_and_the_worker_goes_on() -> None:
+    app, outbox = make_app(max_record_bytes=65_536)
+    big = Episode("ep-big", "g-big", "math", 2, False, status=None, turns=3)
+    fine = Episode("ep-small", "g-small", "math", 2, True)
+    messages = big_turn(big, 3_000)  # three turns of 24 KB: its changelog value outgrows a record
+    asyncio.run(put_events(app, messages[:-1]))  # started and two turns in: it fits
+    assert decoded(outbox, "rollout.deadletter") == []
+    asyncio.run(put_events(app, messages[-1:] + episode_messages(fine)))
+    (letter,) = decoded(outbox, "rollout.deadletter")
+    assert (letter.key, letter.reason, letter.stage) == (b"ep-big", "oversize", "assemble")
+    assert letter.original == b"" and "not copied here" in letter.detail  # the dead letter fits a record too
+    assert all(len(s.value or b"") <= 65_536 for s in outbox.sent)
+    assert [t.episode_id for t in decoded(outbox, "trajectories")] == ["ep-small"]
+    asyncio.run(put_events(app, big_turn(replace(big, status="completed"), 10)[-1:]))  # its end comes later
+    assert decoded(outbox, "rollout.deadletter")[-1].reason == "unknown_episode"  # late, not a new episode
+
+
 def test_late_duplicates_after_close_are_counted_and_late_events_dead_lettered() -> None:
     ep = Episode("ep-c", "g", "math", 2, True)
     messages = episode_messages(ep)
-    late = replace(events_of(ep, 1_000)[1], event_id="ep-c-late")
+    late = replace(events_of(ep, 1_000)[1], event_id="ep-c-late", seq=9)
     app, outbox = make_app()
     asyncio.run(put_events(app, messages + [messages[-1], messages[0], (b"ep-c", codec.encode(late))]))
     assert app.pipeline.metrics.total("streams/duplicates") == 2  # type: ignore[attr-defined]
@@ -146,6 +205,96 @@ def test_the_sweeper_abandons_idle_episodes_and_times_out_groups() -> None:
     assert metrics.total("streams/groups", outcome="timed_out") == 1
     assert decoded(outbox, "trajectories.scored") == []  # one trainable member: no variance, dropped
     assert [s.attempts for s in decoded(outbox, "task.stats")] == [1]
+
+
+def test_idle_time_counts_from_when_the_worker_is_ready_again_not_through_its_recovery() -> None:
+    app, outbox = make_app(episode_timeout_s=0.3, group_timeout_s=0.3, sweep_interval_s=0.05)
+    pipeline = app.pipeline  # type: ignore[attr-defined]
+    waiting = Episode("ep-r0", "g-r", "math", 2, False, status=None)  # its next events are still in the log
+
+    async def scenario() -> list[str]:
+        await put_events(app, episode_messages(waiting))
+        pipeline.ready = lambda: False  # a restart: recovering tables, rebalancing
+        await asyncio.sleep(0.5)  # longer than the timeout
+        await pipeline.sweep()
+        pipeline.ready = lambda: True
+        await pipeline.sweep()  # ready again: the episode has been idle 0 s for this worker
+        kept = [t.status for t in decoded(outbox, "trajectories")]
+        await asyncio.sleep(0.4)
+        await pipeline.sweep()  # now idle past the timeout while the worker could read the log
+        return kept
+
+    assert asyncio.run(scenario()) == []
+    assert [t.status for t in decoded(outbox, "trajectories")] == ["abandoned"]
+
+
+def test_idle_time_stops_while_no_broker_answers_and_counts_again_from_its_return() -> None:
+    """A broker outage longer than the timeout: producers hold their events back until it returns, so an
+    episode open across it is not abandoned (its late events would be dead-lettered as unknown_episode)."""
+    app, outbox = make_app(episode_timeout_s=0.3, group_timeout_s=0.3, sweep_interval_s=0.05)
+    pipeline = app.pipeline  # type: ignore[attr-defined]
+    waiting = Episode("ep-o0", "g-o", "math", 2, False, status=None)
+
+    async def scenario() -> list[str]:
+        await put_events(app, episode_messages(waiting))
+        outbox.up = False  # the broker is away
+        await asyncio.sleep(0.5)  # longer than the timeout
+        await pipeline.sweep()
+        outbox.up = True
+        await pipeline.sweep()  # it answers again: idle 0 s since
+        kept = [t.status for t in decoded(outbox, "trajectories")]
+        await asyncio.sleep(0.4)
+        await pipeline.sweep()  # idle past the timeout with a broker answering
+        return kept
+
+    assert asyncio.run(scenario()) == []
+    assert [t.status for t in decoded(outbox, "trajectories")] == ["abandoned"]
+
+
+def same_partition_episodes(prefix: str, n: int) -> list[Episode]:
+    """n never-ending episodes whose events share one partition (idleness is per partition)."""
+    eps = [Episode(f"{prefix}-{i}", f"g-{prefix}-{i}", "math", 2, False, status=None) for i in range(200)]
+    target = partition(eps[0].episode_id.encode())
+    return [ep for ep in eps if partition(ep.episode_id.encode()) == target][:n]
+
+
+def sweep_after(app: StreamsApp, batches: list[list[tuple[bytes, bytes]]]) -> None:
+    async def scenario() -> None:
+        for messages in batches:
+            await put_events(app, messages)
+        await app.pipeline.sweep()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
+
+
+def test_one_timestamp_from_the_future_abandons_no_open_episode() -> None:
+    now = int(time.time() * 1000)
+    app, outbox = make_app(episode_timeout_s=20, group_timeout_s=20)
+    first, second, liar = same_partition_episodes("skew", 3)
+    sweep_after(app, [episode_messages(first, second, ts=now), episode_messages(liar, ts=now + 3_600_000)])
+    assert decoded(outbox, "trajectories") == []  # an hour "later" is capped at the worker's clock + 2 s
+    assert app.pipeline.metrics.total("streams/clock_skew_clamped") == 2  # type: ignore[attr-defined]
+
+
+def test_producers_ten_minutes_apart_share_a_partition_without_abandoning_each_other() -> None:
+    now = int(time.time() * 1000)
+    behind, on_time = same_partition_episodes("apart", 2)
+    first = from_producer("behind", behind, ts=now - 600_000)
+    app, outbox = make_app(episode_timeout_s=20, group_timeout_s=20)
+    sweep_after(app, [first, from_producer("on-time", on_time, ts=now)])
+    assert decoded(outbox, "trajectories") == []
+    # ...while event time still ages episodes at the log's pace: 30 s later in its producer's clock (a
+    # replay: no wall time passes), the one that got no more events is abandoned, the other one is not
+    (later,) = same_partition_episodes("later", 1)
+    app, outbox = make_app(episode_timeout_s=20, group_timeout_s=20)
+    sweep_after(app, [first, from_producer("on-time", on_time, ts=now),
+                      from_producer("behind", later, ts=now - 570_000)])
+    abandoned = {t.episode_id for t in decoded(outbox, "trajectories") if t.status == "abandoned"}
+    assert abandoned == {behind.episode_id}
+
+
+def from_producer(producer: str, episode: Episode, ts: int) -> list[tuple[bytes, bytes]]:
+    return [(e.episode_id.encode(), codec.encode(replace(e, producer_id=producer))) for e in events_of(episode, ts)]
 
 
 def test_group_emits_advantages_for_exactly_the_expected_members() -> None:
@@ -299,3 +448,116 @@ def test_no_episode_or_group_is_marked_closed_before_its_output_is_flushed() -> 
     closed = next(i for i, s in enumerate(outbox.sent) if s.topic == f"{NS}.streams-groups-changelog"
                   and s.value.startswith(b"GRC1"))  # type: ignore[union-attr]
     assert any(first("trajectories.scored") < f <= closed for f in outbox.flushed_at)
+
+
+def test_after_a_rebalance_a_worker_sweeps_only_the_partitions_it_still_holds() -> None:
+    """Two workers share the partitions: the one that lost partition 1 never abandons an episode of it (its
+    new owner, which recovered it from the changelog, completes it: one trajectory id, one record)."""
+    app, outbox = make_app(episode_timeout_s=0.05, group_timeout_s=0.05, sweep_interval_s=0.05)
+    pipeline = app.pipeline  # type: ignore[attr-defined]
+    kept, moved = same_partition_episodes("kept", 2), []
+    for i in range(200):
+        ep = Episode(f"moved-{i}", f"g-moved-{i}", "math", 2, False, status=None)
+        if partition(ep.episode_id.encode()) != partition(kept[0].episode_id.encode()):
+            moved.append(ep)
+    moved = moved[:2]
+    held = partition(kept[0].episode_id.encode())
+
+    async def scenario() -> None:
+        await put_events(app, episode_messages(*kept, *moved))
+        assert len(pipeline.tables.episodes) == 4
+        await pipeline.keep_partitions({held})
+        await asyncio.sleep(0.1)
+        await pipeline.sweep()
+
+    asyncio.run(scenario())
+    abandoned = {t.episode_id for t in decoded(outbox, "trajectories")}
+    assert abandoned == {ep.episode_id for ep in kept}
+    assert {p for p in pipeline.tables.episodes.partition_of.values()} <= {held}
+
+
+def test_task_stats_are_published_per_partition_and_a_follower_sums_them() -> None:
+    from producers.feeds import TaskStatsFollower
+
+    app, outbox = make_app()
+    # the same task in two groups whose trajectories land on different partitions
+    groups, seen_partitions = [], set()
+    for i in range(50):
+        group = f"g-task-{i}"
+        p = partition(group.encode())  # trajectories are keyed by group
+        if p not in seen_partitions:
+            seen_partitions.add(p)
+            groups.append(group)
+    eps = [Episode(f"{g}-e{j}", g, "math", 2, j == 0, task="math/shared") for g in groups for j in range(2)]
+
+    async def scenario() -> None:
+        await put_events(app, episode_messages(*eps))
+        await put_trajectories(app, outbox)
+
+    asyncio.run(scenario())
+    sent = outbox.to(f"{NS}.task.stats")
+    keys = {s.key for s in sent}
+    assert len(keys) == len(groups) == P, keys  # one record per partition that counted the task
+    stats: dict[str, tuple[int, int]] = {}
+    follower = TaskStatsFollower.__new__(TaskStatsFollower)
+    follower.stats, follower.parts = stats, {}
+    for s in sent:
+        assert s.key is not None
+        follower.fold(s.key, codec.decode(s.value, TaskStats))
+    assert stats == {"math/shared": (4, 2)}
+    follower.fold(b"math/shared", TaskStats("math/shared", "math", 99, 99, 1))  # an earlier version's record
+    assert stats == {"math/shared": (4, 2)}
+
+
+class _Stopped:
+    def __init__(self) -> None:
+        self.loops = 0
+
+    def is_set(self) -> bool:
+        self.loops += 1
+        return self.loops > 1  # one pass of the drain loop
+
+
+def test_records_fetched_before_a_rebalance_are_fetched_again_not_delivered_over_the_committed_offset(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fetch that spans a rebalance returns records from their old positions (offset 50 on) while the
+    rebalance sought the partition back to its committed offset (10). Delivered, offset 50 would make 11..49
+    look acked (a gap) and the records fetched again from 10 would be dropped as already read: lost events,
+    committed. They must be left for the next fetch instead."""
+    from faust.types import TP
+
+    app, _ = make_app()
+    consumer = app.consumer
+    tp = TP(f"{NS}.rollout.events", 0)
+    consumer._read_offset[tp] = 49  # read up to 49 before the rebalance
+    delivered: list[int] = []
+    gaps: list[tuple[int, int]] = []
+
+    async def callback(message: Any) -> None:
+        delivered.append(message.offset)
+
+    async def add_gap(tp: Any, start: int, end: int) -> None:
+        gaps.append((start, end))
+
+    async def getmany(timeout: float) -> Any:
+        # the rebalance completes while this fetch is in flight: a new generation, and the seek to the
+        # committed offset (as Faust's perform_seek leaves the read offset)
+        app.consumer_generation_id += 1
+        consumer._read_offset[tp] = 10
+        for offset in (50, 51, 52):
+            yield tp, SimpleNamespace(offset=offset, topic=tp.topic)
+
+    async def seek_to_committed() -> dict[Any, int]:
+        sought.append(tp)
+        return {tp: 10}
+
+    sought: list[Any] = []
+    monkeypatch.setattr(consumer, "getmany", getmany)
+    monkeypatch.setattr(consumer, "_add_gap", add_gap)
+    monkeypatch.setattr(consumer, "callback", callback)
+    monkeypatch.setattr(consumer, "seek_to_committed", seek_to_committed)
+    fetcher = SimpleNamespace(_stopped=_Stopped())
+    asyncio.run(consumer._drain_messages(fetcher))
+    assert delivered == [] and gaps == []
+    # what the fetch returned is fetched again from the committed offset (nothing of it is lost either)
+    assert sought == [tp] and consumer._read_offset[tp] == 10

@@ -13,6 +13,7 @@ from schemas.errors import REASONS, ConfigError, DecodeError, RewardError, Valid
 from schemas.keys import trajectory_id
 from schemas.packing import pack_floats, pack_ids, split_payload
 from schemas.records import (
+    DEMONSTRATION_VERSION,
     ClaimCheck,
     EpisodeEnded,
     PolicyTurn,
@@ -21,9 +22,11 @@ from schemas.records import (
     SourcePosition,
     Trajectory,
 )
+from schemas.tasks import encode_task_spec, make_spec
+from streams.eventtime import EventTime
 from streams import assembly, fastcodec, grouping
 from streams.assembly import ABANDONED, EpisodeState, fold
-from streams.metrics import Metrics, observe_trajectory
+from streams.metrics import observe_trajectory, streams_metrics
 from streams.rewards import RewardResult
 from streams.scoring import Scorer
 from streams.settings import StreamSettings, parse_reward
@@ -36,6 +39,7 @@ from streams.state import (
     dump_task_count,
     load_closed_episode,
     load_episode,
+    MemberRecord,
     load_group,
     load_task_count,
 )
@@ -175,10 +179,20 @@ def test_an_episode_must_start_with_episode_started() -> None:
 def test_closed_episodes_tell_duplicates_from_late_events() -> None:
     state = folded(MATH)
     closed = assembly.close(state, "completed")
-    assembly.classify_late(closed, events_of(MATH, 1_000)[-1])  # a duplicate: no error
+    events = events_of(MATH, 1_000)
+    for event in events:  # a copy of any event taken is a duplicate: no error
+        assembly.classify_late(closed, event)
     with pytest.raises(ValidationError) as info:
-        assembly.classify_late(closed, replace(events_of(MATH, 1_000)[-1], event_id="new"))
+        assembly.classify_late(closed, replace(events[-1], event_id="new", seq=len(events)))
     assert info.value.reason == "unknown_episode" and "closed as completed" in info.value.detail
+    # the marker's size does not grow with the episode's events (no event ids are kept)
+    assert closed.last_seq == len(events) - 1 and closed.missing == () and "ids" not in dump_closed_episode(closed).decode()
+    # an episode abandoned after three events: a copy of one of them is a duplicate, its fourth came late
+    abandoned = assembly.close(folded(CODE, upto=3), ABANDONED)
+    code = events_of(CODE, 1_000)
+    assembly.classify_late(abandoned, code[0])
+    with pytest.raises(ValidationError):
+        assembly.classify_late(abandoned, code[3])
 
 
 def test_an_abandoned_trajectory_ends_at_its_last_event() -> None:
@@ -190,8 +204,20 @@ def test_an_abandoned_trajectory_ends_at_its_last_event() -> None:
 
 
 def test_idle_time_is_the_longer_of_event_time_and_wall_time() -> None:
-    assert assembly.idle_ms(last_ts=1_000, watermark_ms=61_000, idle_wall_s=1.0) == 60_000
-    assert assembly.idle_ms(last_ts=1_000, watermark_ms=1_000, idle_wall_s=90.0) == 90_000
+    clock = EventTime(max_skew_ms=2_000, now_ms=lambda: 1_000_000)
+    a, b = (0, "producer-a"), (0, "producer-b")
+    clock.observe(a, 1_000)
+    clock.touch(b"ep", a)
+    clock.observe(a, 61_000)
+    assert clock.idle_ms(b"ep", wall_idle_s=1.0) == 60_000
+    assert clock.idle_ms(b"ep", wall_idle_s=90.0) == 90_000
+    assert clock.idle_ms(b"recovered", wall_idle_s=1.0) == 1_000  # no clock known: wall time
+    clock.observe(b, 900_000)  # another producer's clock, far ahead, does not age producer-a's episodes
+    assert clock.idle_ms(b"ep", wall_idle_s=1.0) == 60_000
+    clock.observe(a, 5_000_000)  # from the future: capped at the worker's clock + 2 s
+    assert clock.clocks[a] == 1_002_000 and clock.clamped == 1
+    clock.observe(a, 500)  # a clock never goes back
+    assert clock.clocks[a] == 1_002_000 and clock.age_ms(0, 2_000, wall_idle_s=0.0) == 1_000_000
 
 
 def test_claim_checked_turns_are_filled_in_when_the_episode_closes() -> None:
@@ -305,7 +331,7 @@ def test_task_stats_sum_the_partition_counts() -> None:
 # ---- metrics -------------------------------------------------------------------------------------------
 
 def test_metrics_windows_count_observe_and_restart() -> None:
-    m = Metrics()
+    m = streams_metrics()
     m.count("streams/events", 30)
     m.count("streams/deadletters", reason="bad_magic")
     m.count("streams/deadletters", 2, reason="truncated")
@@ -324,7 +350,7 @@ def test_metrics_windows_count_observe_and_restart() -> None:
 
 
 def test_a_trajectory_feeds_reward_length_and_sandbox_mix() -> None:
-    m = Metrics()
+    m = streams_metrics()
     observe_trajectory(m, Scorer.load("default", "1").score(assembly.to_trajectory(folded(CODE), "t")))
     names = {(x.name, x.labels.get("outcome", x.labels.get("domain"))): x.value for x in m.flush(0, 1_000)}
     assert names[("rollout/sandbox_outcomes", "passed")] == 1 and names[("rollout/sandbox_outcomes", "failed")] == 1
@@ -352,7 +378,11 @@ def test_groups_markers_and_counts_round_trip() -> None:
     for t in members:
         state = grouping.add_member(state, member(t), partition=1)
     assert state is not None
-    assert load_group(dump_group(state)) == state
+    loaded = load_group(dump_group(state))  # the members' records are stored under their own keys
+    assert loaded == replace(state, members=tuple(replace(m, raw=b"") for m in state.members))
+    assert all(m.raw not in dump_group(state) for m in state.members)
+    record = MemberRecord(state.members[0].raw)
+    assert load_group(dump_group(record)) == record
     closed = grouping.close(state, timed_out=True)
     assert load_group(dump_group(closed)) == closed
     marker = assembly.close(folded(MATH), "completed")
@@ -410,8 +440,9 @@ def test_bad_settings_are_refused_with_the_fix(argv: list[str], fix: str) -> Non
     with pytest.raises(ConfigError) as info:
         StreamSettings.from_args(["--ns", "run1", *argv], env={})
     assert fix in str(info.value)
-    with pytest.raises(ConfigError, match="--ns is required"):
+    with pytest.raises(SystemExit):  # argparse: "the following arguments are required: --ns"
         StreamSettings.from_args([], env={})
+    assert StreamSettings.from_args([], env={"TRAJPIPE_NS": "from-env"}).ns == "from-env"
 
 
 def test_a_trajectory_written_before_group_size_reads_with_zero() -> None:
@@ -421,4 +452,50 @@ def test_a_trajectory_written_before_group_size_reads_with_zero() -> None:
     del fields["group_size"]
     buf = io.BytesIO()
     schemaless_writer(buf, old.parsed, fields)
-    assert codec.decode(MAGIC + old.fingerprint + buf.getvalue()) == replace(traj, group_size=0)
+    # Nor did it record the turns' sampling settings: they read as unrecorded (None).
+    unrecorded = tuple(replace(t, temperature=None, top_p=None) for t in traj.turns)
+    assert codec.decode(MAGIC + old.fingerprint + buf.getvalue()) == replace(traj, group_size=0, turns=unrecorded)
+
+
+# ---- demonstrations and the text domain ------------------------------------------------------------------
+
+def _as_demonstration(trajectory: Trajectory) -> Trajectory:
+    return replace(trajectory, turns=tuple(replace(t, policy_version=DEMONSTRATION_VERSION) for t in trajectory.turns))
+
+
+def test_a_group_of_one_demonstration_is_kept_while_a_lone_rollout_is_dropped() -> None:
+    demo = _as_demonstration(scored(0, 1.0, size=1, **{"status/demonstration": 1.0}))
+    kept = grouping.finalize(grouping.add_member(None, member(demo)), 1e-6, drop_zero_variance=True)
+    assert kept.zero_variance and not kept.dropped and [a for _, a in kept.scored] == [0.0]
+    lone = grouping.finalize(grouping.add_member(None, member(scored(1, 1.0, size=1))), 1e-6, True)
+    assert lone.dropped and lone.scored == []
+
+
+def test_the_reward_marks_a_demonstration_and_weighs_the_mark_zero() -> None:
+    plain = assembly.to_trajectory(folded(replace(MATH, right=True)), "t")
+    demo = _as_demonstration(plain)
+    scorer = Scorer.load("default", "1")
+    marked, unmarked = scorer.score(demo), scorer.score(plain)
+    assert marked.reward_components["status/demonstration"] == 1.0
+    assert "status/demonstration" not in unmarked.reward_components
+    assert marked.reward == unmarked.reward
+
+
+def test_only_the_demonstration_version_may_be_negative() -> None:
+    event = events_of(MATH, 1_000)[0]
+    validate(replace(event, policy_version=DEMONSTRATION_VERSION))
+    assert reason_of(replace(event, policy_version=-2)) == "bad_step"
+
+
+@pytest.mark.parametrize("text, correct, chars", [
+    ("dcba", 1.0, 1.0), (" dcba\nmore", 1.0, 1.0), ("dcbx", 0.0, 0.75), ("dcbaa", 0.0, 0.8), ("", 0.0, 0.0),
+])
+def test_text_answers_are_exact_with_a_per_character_process_reward(text: str, correct: float, chars: float) -> None:
+    from streams.rewards import measure
+
+    base = assembly.to_trajectory(folded(replace(MATH, right=True)), "t")
+    spec = encode_task_spec(make_spec("text", answer="dcba"))
+    traj = replace(base, domain="text", task_spec=spec, turns=(replace(base.turns[0], text=text),))
+    parts = measure(traj)
+    assert (parts["outcome/correct"], parts["process/chars_correct"]) == (correct, pytest.approx(chars))
+    assert parts["process/answer_found"] == float(bool(text.strip()))

@@ -143,12 +143,18 @@ TableData = dict[str, dict[str, dict[str, int]]]
 
 
 def parse_tables(prompt: str) -> tuple[TableData, list[str]]:
-    """{statement: {row: {year: value}}} read back from the prompt's text tables."""
-    tables: TableData = {}
+    """{document: {row: {year: value}}} read back from the prompt's text tables and the letter's sentences."""
+    tables: TableData = {"Letter to shareholders": {"Net income": {}, "Total assets": {}}}
     title, years = "", []
     for line in prompt.splitlines():
-        heading = re.fullmatch(r"(Income statement|Balance sheet) \(.*\)", line)
-        if heading:
+        heading = re.fullmatch(r"Document \d\. (Income statement|Balance sheet) \(.*\)", line)
+        quoted = re.fullmatch(r"In (FY\d{4}) we earned net income of USD ([\d,-]+) thousand and ended the year with "
+                              r"total assets of USD ([\d,-]+) thousand\.", line)
+        if quoted:
+            letter = tables["Letter to shareholders"]
+            letter["Net income"][quoted.group(1)] = int(quoted.group(2).replace(",", ""))
+            letter["Total assets"][quoted.group(1)] = int(quoted.group(3).replace(",", ""))
+        elif heading:
             title = heading.group(1)
             tables[title] = {}
         elif line.startswith("| Line item"):
@@ -164,8 +170,8 @@ def _quantize(value: Decimal, decimals: int) -> str:
 
 
 def recompute(kind: str, tables: TableData, year: str, prev: str) -> Decimal:
-    inc, bal = tables["Income statement"], tables["Balance sheet"]
-    d = {k: {r: Decimal(v[year]) for r, v in t.items()} for k, t in (("i", inc), ("b", bal))}
+    inc, bal, letter = tables["Income statement"], tables["Balance sheet"], tables["Letter to shareholders"]
+    d = {k: {r: Decimal(v[year]) for r, v in t.items()} for k, t in (("i", inc), ("b", bal), ("l", letter))}
     formulas = {
         "gross_margin": lambda: d["i"]["Gross profit"] / d["i"]["Revenue"] * 100,
         "operating_margin": lambda: d["i"]["Operating income"] / d["i"]["Revenue"] * 100,
@@ -176,12 +182,18 @@ def recompute(kind: str, tables: TableData, year: str, prev: str) -> Decimal:
         "debt_to_equity": lambda: (d["b"]["Short-term debt"] + d["b"]["Long-term debt"])
         / d["b"]["Shareholders' equity"],
         "working_capital": lambda: d["b"]["Total current assets"] - d["b"]["Total current liabilities"],
+        "return_on_assets": lambda: d["i"]["Net income"] / d["b"]["Total assets"] * 100,
+        "return_on_equity": lambda: d["i"]["Net income"] / d["b"]["Shareholders' equity"] * 100,
+        "asset_turnover": lambda: d["i"]["Revenue"] / d["b"]["Total assets"],
+        "letter_net_income_check": lambda: d["l"]["Net income"] - d["i"]["Net income"],
+        "letter_assets_check": lambda: d["l"]["Total assets"] - d["b"]["Total assets"],
     }
     return formulas[kind]()
 
 
-def test_table_answers_match_a_recomputation_from_the_table_text() -> None:
+def test_table_answers_match_a_recomputation_from_the_documents_text() -> None:
     kinds: Counter[str] = Counter()
+    checks: Counter[str] = Counter()
     for task in _tasks(TableQASource(seed=11, size=300), 300):
         spec = decode_task_spec(task.task_spec, "table")
         tables, years = parse_tables(task.prompt)
@@ -191,7 +203,13 @@ def test_table_answers_match_a_recomputation_from_the_table_text() -> None:
             assert tables[cell["statement"]][cell["row"]][cell["column"]] == cell["value"]
         assert spec["tolerance"] == pytest.approx(0.5 * 10 ** -spec["decimals"])
         kinds[spec["kind"]] += 1
-    assert len(kinds) == 8
+        # the demonstration shows each cell and the calculation before the answer, and scores as right
+        assert task.demonstration is not None and f"= {spec['answer']}. Answer: {spec['answer']}" in task.demonstration
+        assert all(f"{c['value']:,}" in task.demonstration for c in spec["cells"])
+        checks[spec["kind"]] += spec["kind"].startswith("letter") and spec["answer"] != "0"
+    assert len(kinds) == 13
+    # some letters misquote a figure and some agree: the check is a real question
+    assert 0 < checks["letter_net_income_check"] < kinds["letter_net_income_check"]
 
 
 def test_table_statements_add_up() -> None:
@@ -264,6 +282,23 @@ def test_curriculum_skips_always_and_never_solved_tasks() -> None:
     drawn = {mixer.next().task_id for _ in range(60)}
     assert drawn == set(ids[51:])
     assert mixer.skips["always_solved"] > 0 and mixer.skips["never_solved"] > 0
+
+
+def test_curriculum_stops_drawing_from_domains_always_or_never_solved() -> None:
+    from producers.tasks.strings import StringReversalSource
+
+    sources = [DigitAdditionSource(seed=0), TableQASource(size=500), StringReversalSource(seed=0)]
+    mixer = TaskMixer(sources, seed=0, curriculum=Curriculum(min_attempts=8, domain_min_attempts=16))
+    passes = {"math": 1, "table": 2, "text": 0}  # of 2 attempts: mixed, always solved, never solved
+    drawn = []
+    for _ in range(300):
+        task = mixer.next()
+        mixer.update_stats(task.task_id, attempts=2, passes=passes[task.domain])  # too few for a task verdict
+        drawn.append(task.domain)
+    assert drawn.count("table") <= 8 + 1 and drawn.count("text") <= 8 + 1  # 16 attempts pooled, then no more
+    assert set(drawn[-100:]) == {"math"}
+    assert mixer.skips["domain_always_solved"] > 0 and mixer.skips["domain_never_solved"] > 0
+    assert not mixer.skips["always_solved"] and not mixer.skips["never_solved"]
 
 
 def test_curriculum_follows_updated_stats_and_can_be_disabled() -> None:

@@ -1,0 +1,82 @@
+"""Checks the system tools the project needs, one line each, with the command that installs a missing one.
+
+    python -m infra doctor      # `make install` runs it last; exit 1 when something is missing
+
+Python 3.11+ runs everything; bubblewrap isolates model-written code (without it, code tasks refuse to
+start); Java 17+ runs Kafka and Maven fetches its jars; Go 1.24+ builds MinIO (Debian's golang package
+is too old: use the release from go.dev).
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+GO_FIX = ("curl -sSL https://go.dev/dl/go1.24.6.linux-amd64.tar.gz | tar -C /usr/local -xz && "
+          "export PATH=/usr/local/go/bin:$PATH")
+
+
+@dataclass(frozen=True)
+class Check:
+    tool: str
+    why: str
+    fix: str
+    minimum: Optional[tuple[int, ...]] = None
+    version: Optional[Callable[[str], str]] = None  # the tool's path -> its version output
+
+
+def _output(*argv: str) -> str:
+    try:
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout + done.stderr
+
+
+CHECKS = (
+    Check("bwrap", "isolates model-written code (code tasks refuse to start without it or Docker)",
+          "apt-get install -y bubblewrap"),
+    Check("java", "runs Kafka", "apt-get install -y openjdk-17-jre-headless", (17,),
+          lambda path: _output(path, "-version")),
+    Check("mvn", "fetches Kafka's jars once", "apt-get install -y maven"),
+    Check("go", "builds MinIO once", GO_FIX, (1, 24), lambda path: _output(path, "version")),
+)
+
+
+def parse_version(text: str) -> Optional[tuple[int, ...]]:
+    """The first dotted version in a tool's output: 'go version go1.26.8 ...' -> (1, 26, 8)."""
+    match = re.search(r"(?:go|version \"?)(\d+(?:\.\d+)+)", text) or re.search(r"(\d+(?:\.\d+)+)", text)
+    return tuple(int(p) for p in match.group(1).split(".")) if match else None
+
+
+def check(item: Check) -> tuple[bool, str]:
+    path = shutil.which(item.tool)
+    if path is None:
+        return False, f"MISSING {item.tool}: {item.why}. Install: {item.fix}"
+    if item.minimum is None or item.version is None:
+        return True, f"ok      {item.tool} ({path})"
+    found = parse_version(item.version(path))
+    want = ".".join(map(str, item.minimum))
+    if found is None or found[:len(item.minimum)] < item.minimum:
+        shown = ".".join(map(str, found)) if found else "unknown"
+        return False, f"OLD     {item.tool} {shown} at {path}: {item.why} needs {want}+. Install: {item.fix}"
+    return True, f"ok      {item.tool} {'.'.join(map(str, found))} ({path})"
+
+
+def main() -> int:
+    results = [(True, f"ok      python {sys.version.split()[0]}")] if sys.version_info >= (3, 11) else \
+        [(False, f"OLD     python {sys.version.split()[0]}: 3.11+ is needed")]
+    results += [check(item) for item in CHECKS]
+    for _, line in results:
+        print(line)
+    missing = sum(not ok for ok, _ in results)
+    if missing:
+        print(f"{missing} tool(s) to install before `make demo` / `make test` (the commands above)")
+    return 1 if missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

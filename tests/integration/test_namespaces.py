@@ -1,0 +1,58 @@
+"""Housekeeping against the real broker and store: namespaces listed with their sizes, one deleted whole."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infra.bootstrap import bootstrap
+from infra.kafka import Publisher, consumer
+from infra.namespaces import delete_namespace, survey
+from infra.objectstore import ObjectStore
+from infra.settings import Settings
+from schemas.errors import PipelineError
+from schemas.topics import Topics
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_namespaces_are_listed_with_their_sizes_and_one_is_deleted_whole(stack: Settings, ns: str,
+                                                                       store: ObjectStore) -> None:
+    run, evals = Topics(ns), Topics(f"{ns}-eval-v3")  # the second's name starts with the first's
+    for t in (run, evals):
+        bootstrap(stack, t.ns, partitions=1)
+    pub = Publisher(stack)
+    for i in range(5):
+        pub.send(run.events, b"k", b"v%d" % i)
+    pub.send(evals.events, b"k", b"v")
+    pub.close()
+    store.put(f"shards/{ns}/a.avro", b"x" * 1000)
+    store.put(f"checkpoints/{ns}/v0/model.safetensors", b"y" * 3000)
+    store.put(f"shards/{evals.ns}/b.avro", b"z" * 10)
+    running = consumer(stack, f"{ns}.learner")  # a consumer of the namespace, still running
+    running.subscribe([run.events])
+    for _ in range(40):
+        running.poll(0.5)
+        if running.assignment():
+            break
+    try:
+        listed = survey(stack, store)
+        mine, theirs = listed[ns], listed[evals.ns]
+        assert (mine.records, mine.objects, mine.object_bytes) == (5, 2, 4000)
+        assert (theirs.records, theirs.objects, theirs.object_bytes) == (1, 1, 10)
+        assert sorted(mine.topics) == sorted(s.name for s in run.specs()) and mine.active == [f"{ns}.learner"]
+        with pytest.raises(PipelineError, match="running consumers"):
+            delete_namespace(stack, ns)
+    finally:
+        running.close()
+
+    out = subprocess.run([sys.executable, "-m", "infra", "delete-namespace", ns], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, **stack.as_env()})
+    assert out.returncode == 0, out.stderr
+    after = survey(stack, store)
+    assert ns not in after and after[evals.ns].records == 1 and after[evals.ns].objects == 1
+    assert store.list(f"shards/{ns}/") == [] and store.list(f"checkpoints/{ns}/") == []

@@ -1,0 +1,82 @@
+"""The demo's verdict: held-out success with Wilson intervals, the versions on its learning curve."""
+from __future__ import annotations
+
+import argparse
+import math
+import socket
+
+import pytest
+
+from infra.demo import PRESETS, apply_preset, free_port, goals, curve_versions, healthy, parser, plan, sft_version
+from learner.eval import wilson
+
+
+def test_wilson_intervals_match_the_formula_and_stay_in_bounds() -> None:
+    low, high = wilson(38, 256)
+    p, n, z = 38 / 256, 256, 1.959964
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    assert (low, high) == pytest.approx((centre - half, centre + half))
+    assert wilson(0, 256)[0] == 0.0 and 0.0 < wilson(0, 256)[1] < 0.02 and wilson(256, 256)[1] == 1.0
+
+
+def test_the_curve_covers_both_phases_and_ends_at_the_final_version() -> None:
+    assert curve_versions(final=63, sft=13, points=4) == [0, 4, 9, 13, 25, 38, 51, 63]
+    assert curve_versions(final=5, sft=13, points=4) == [0, 2, 3, 5]   # a run stopped inside SFT
+    args = parser().parse_args(["--sft-updates", "260", "--sft-updates-per-checkpoint", "20"])
+    assert sft_version(args) == 13
+
+
+def _result(version: int, mode: str, wins: int, n: int = 256) -> dict[str, object]:
+    low, high = wilson(wins, n)
+    return {"version": version, "mode": mode, "success": wins / n, "ci_low": low, "ci_high": high}
+
+
+def _args() -> argparse.Namespace:
+    return parser().parse_args(["--sft-updates", "40", "--sft-updates-per-checkpoint", "20", "--rl-updates", "4"])
+
+
+def test_a_run_is_healthy_when_held_out_success_rose_significantly() -> None:
+    results = [_result(0, m, 0) for m in ("greedy", "sampled")] + [_result(2, m, 100) for m in ("greedy", "sampled")]
+    results += [_result(6, "greedy", 110), _result(6, "sampled", 95)]
+    run = argparse.Namespace(services=[])
+    assert healthy(run, results, "learner finished", _args()) == []  # type: ignore[arg-type]
+
+
+def test_no_significant_gain_or_an_rl_phase_that_hurt_is_unhealthy() -> None:
+    flat = [_result(v, m, 3) for v in (0, 2, 6) for m in ("greedy", "sampled")]
+    run = argparse.Namespace(services=[])
+    assert any("not significantly above" in p for p in healthy(run, flat, "learner finished", _args()))  # type: ignore[arg-type]
+    hurt = [_result(0, m, 0) for m in ("greedy", "sampled")] + [_result(2, m, 150) for m in ("greedy", "sampled")]
+    hurt += [_result(6, "greedy", 90), _result(6, "sampled", 148)]
+    problems = healthy(run, hurt, "learner finished", _args())  # type: ignore[arg-type]
+    assert problems == ["the RL phase lowered greedy held-out success significantly below the post-SFT policy's"]
+    assert "run ended by time limit" in healthy(run, hurt, "time limit", _args())  # type: ignore[arg-type]
+
+
+def test_rollout_workers_start_with_the_rl_phase_and_at_once_without_an_sft_phase() -> None:
+    def starts(argv: list[str]) -> dict[str, str]:
+        args = apply_preset(parser().parse_args(argv), argv)
+        return {s.name: s.when for s in plan(args, "ns") if s.name.startswith("producer")}
+
+    assert starts([]) == {"producer-0": "rl"}  # after the SFT phase's demonstrations trained
+    assert PRESETS["smollm2"]["sft_updates"] == 0
+    assert starts(["--preset", "smollm2"]) == {"producer-0": "start"}  # else nothing would ever start them
+
+
+def test_a_busy_monitor_port_is_replaced_by_a_free_one() -> None:
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        other = free_port(taken)
+        assert other != taken and free_port(other) == other
+
+
+def test_a_pretrained_run_without_sft_is_judged_by_its_gain_over_v0_in_time() -> None:
+    args = apply_preset(parser().parse_args(["--preset", "smollm2"]), ["--preset", "smollm2"])
+    results = [{**_result(0, "greedy", 38, 128), "seconds": 0.0}, {**_result(50, "greedy", 94, 128), "seconds": 2177.0}]
+    assert goals(results, args) == ["greedy: held-out success 0.297 -> 0.734, gain +0.438 in 36 min of training "
+                                    "(goal +0.1 within 45 min: met)"]
+    slow = [results[0], {**results[1], "seconds": 50 * 60.0}]
+    assert goals(slow, args)[0].endswith("NOT met)")

@@ -1,0 +1,75 @@
+"""Every training setting is reachable from the learner's command line, and a rebuild passes it on."""
+from __future__ import annotations
+
+import dataclasses
+
+from learner.service import train_config
+from learner.settings import LearnerSettings, from_args, shaping_args
+from learner.update import TrainConfig
+
+PER_PHASE = {"algorithm", "lr"}  # set per phase (SFT warm start, then --algorithm) from --algorithm, --lr, --sft-lr
+NOT_NEEDED = {"sft_min_reward"}  # checked below separately: SFT only
+
+
+def test_every_train_config_field_has_a_flag_that_reaches_it() -> None:
+    values = {"weight_decay": 0.01, "max_grad_norm": 0.5, "clip_eps": 0.3, "clip_eps_high": 0.28, "dual_clip": 4.0,
+              "kl_coef": 0.05, "beta": 0.2, "loss_agg": "seq-mean-token-mean", "temperature": 0.7,
+              "max_policy_lag": 3, "lag_mode": "downweight", "lag_decay": 0.25, "max_len": 512,
+              "grad_accum": 2, "grad_checkpointing": True, "cpu_bf16": True, "seed": 7, "sft_min_reward": 0.5}
+    argv = ["--ns", "wired"]
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    settings = from_args(argv)
+    config = train_config(settings, "grpo")
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert fields - PER_PHASE == set(values)  # a new TrainConfig field must get a flag (and a line here)
+    for name, value in values.items():
+        if name != "sft_min_reward":
+            assert getattr(config, name) == value, name
+    assert train_config(settings, "sft").sft_min_reward == 0.5
+    assert from_args(["--ns", "wired", *shaping_args(settings)]) == settings  # what a rebuild passes on
+
+
+def test_every_learner_setting_has_a_flag() -> None:
+    from learner.settings import parser
+
+    flags = {a.dest for a in parser()._actions}
+    fields = {f.name for f in dataclasses.fields(LearnerSettings)}
+    assert fields - flags - {"idle_exit_s"} == set() and "idle_exit" in flags
+
+
+def test_every_learner_flag_also_reads_its_environment_variable() -> None:
+    import argparse
+
+    import pytest
+
+    from learner.settings import ENV_PREFIX, parser
+    from schemas.errors import ConfigError
+
+    env, want = {}, {}
+    for action in parser({})._actions:
+        flag = next((o for o in action.option_strings if o.startswith("--")), None)
+        if flag in (None, "--help", "--ns"):
+            continue
+        name = ENV_PREFIX + flag[2:].replace("-", "_").upper()
+        if isinstance(action, argparse._StoreTrueAction):
+            env[name], want[action.dest] = "1", True
+        elif isinstance(action, argparse._AppendAction):
+            env[name], want[action.dest] = "run-a,run-b", ["run-a", "run-b"]
+        elif action.choices:
+            env[name], want[action.dest] = str(list(action.choices)[-1]), list(action.choices)[-1]
+        elif action.type in (int, float):
+            env[name], want[action.dest] = "7", action.type("7")
+        else:
+            env[name], want[action.dest] = "x:v1", "x:v1"
+    parsed = vars(parser(env).parse_args(["--ns", "wired"]))
+    assert {k: parsed[k] for k in want} == want
+    assert {f.name for f in dataclasses.fields(LearnerSettings)} - {"ns", "idle_exit_s"} <= set(want) and "idle_exit" in want
+    assert vars(parser(env).parse_args(["--ns", "wired", "--lr", "0.5"]))["lr"] == 0.5  # a flag given wins
+    settings = from_args(["--ns", "wired"], env={ENV_PREFIX + "LR": "3e-4", ENV_PREFIX + "CPU_BF16": "yes",
+                                                ENV_PREFIX + "LOSS_AGG": "seq-mean-token-sum"})
+    assert (settings.lr, settings.cpu_bf16, settings.loss_agg) == (3e-4, True, "seq-mean-token-sum")
+    for bad in ({ENV_PREFIX + "LR": "fast"}, {ENV_PREFIX + "LAG_MODE": "sometimes"}, {ENV_PREFIX + "CPU_BF16": "maybe"}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            from_args(["--ns", "wired"], env=bad)
