@@ -20,6 +20,14 @@ V = TypeVar("V")
 SMALL_BATCH = 8  # a batch under 1/8 of the maximum waits for more events
 
 
+def fetch_position(client: Any, tp: Any) -> Optional[int]:
+    """The aiokafka consumer's next fetch offset of `tp`; None when it is not assigned or has none."""
+    assignment = client._subscription.subscription and client._subscription.subscription.assignment
+    if assignment is None or tp not in assignment.tps:
+        return None
+    return assignment.state_value(tp)._position  # type: ignore[no-any-return]
+
+
 class BatchConsumer(driver.Consumer):
     """Faust's aiokafka consumer without the per-message `wait_first`.
 
@@ -38,37 +46,77 @@ class BatchConsumer(driver.Consumer):
         """Changes with every rebalance (the group generation) and every seek to the committed offsets."""
         return self.app.consumer_generation_id, self.seeks
 
+    async def _fetch(self, timeout: float) -> tuple[dict[Any, list[Any]], dict[Any, Optional[int]]]:
+        """Records of the active partitions, and each one's fetch position right after them (read in the
+        consumer's thread with the fetch: a seek made since then shows as another position)."""
+        if not self.flow_active:
+            await self.wait(self.can_resume_flow)  # type: ignore[arg-type]
+        active = set(self._get_active_partitions())
+        if not active:
+            await self.sleep(1)
+            return {}, {}
+        thread = self._thread
+        client = thread._ensure_consumer()
+
+        async def fetch() -> tuple[dict[Any, list[Any]], dict[Any, Optional[int]]]:
+            records = await thread._fetch_records(client, active, timeout=timeout,
+                                                  max_records=client._max_poll_records)
+            return dict(records), {tp: fetch_position(client, tp) for tp in records}
+
+        return await thread.call_thread(fetch)  # type: ignore[no-any-return]
+
+    async def _rewind(self, undelivered: dict[Any, int], positions: dict[Any, Optional[int]]) -> None:
+        """Put each partition back at its first undelivered record, unless a seek moved it since the fetch
+        (then that seek stands). Faust's own fetch loop drops such records and counts on a seek to the
+        committed offsets to fetch them again, which moves no changelog partition and no partition without
+        a committed offset: a worker that took over a partition nobody had committed on, or that was
+        recovering a changelog, waited forever for records it had dropped."""
+        if not undelivered:
+            return
+        client = self._thread._ensure_consumer()
+
+        async def rewind() -> None:  # in the consumer's thread: no fetch or seek of it runs in between
+            for tp, offset in undelivered.items():
+                if positions.get(tp) is not None and fetch_position(client, tp) == positions[tp]:
+                    client.seek(tp, offset)
+
+        await self._thread.call_thread(rewind)
+
     async def _drain_messages(self, fetcher: Any) -> None:  # pragma: no cover - runs against a broker
         callback = self.callback
         consumer_stopped, fetcher_stopped = self._stopped.is_set, fetcher._stopped.is_set
         suspended = self.suspend_flow.is_set
         try:
             while not (consumer_stopped() or fetcher_stopped()):
-                # Faust's getmany notes the generation only once its fetch returns, so records fetched before
-                # a rebalance that completed meanwhile would pass as current: delivered from their old
+                # Faust notes the generation only once its fetch returns, so records fetched before a
+                # rebalance that completed meanwhile would pass as current: delivered from their old
                 # positions, they would make the gap up to the committed offset look acked and drop the
-                # records that are fetched again from there. The epoch is taken before the fetch instead.
+                # records fetched again from there. The epoch is taken before the fetch instead.
                 epoch = self._epoch()
-                records = self.getmany(timeout=1.0)
+                records, positions = await self._fetch(timeout=1.0)
                 await asyncio.sleep(0)
-                if self.should_stop:
+                if not records or self.should_stop:
                     continue
+                delivered = dict.fromkeys(records, 0)
+                paused: set[Any] = set()
                 n = 0
-                async for tp, message in records:
-                    if suspended():  # a rebalance is starting: it seeks to the committed offsets when done
+                for tp, record in self.scheduler.iterate(records):
+                    if suspended() or self._epoch() != epoch:
+                        break  # a rebalance or seek: what is left is rewound below (or the seek moved it)
+                    if tp in paused:
+                        continue
+                    if tp not in self._get_active_partitions() and tp not in self._buffered_partitions:
+                        paused.add(tp)  # paused since the fetch (recovery): its records come again
+                        continue
+                    self.app.monitor.track_tp_end_offset(tp, self.highwater(tp))
+                    if not await self._deliver(tp, self._to_message(tp, record), callback, epoch):
                         break
-                    if self._epoch() != epoch or not await self._deliver(tp, message, callback, epoch):
-                        # it is done, and this fetch spanned it: what it returned may predate the seek, and
-                        # what is left of it would be lost, so everything is fetched again from the committed
-                        # offsets (what was delivered and not yet committed comes twice: deduplicated)
-                        try:
-                            await self.perform_seek()
-                        except Exception as exc:  # the broker is away: the stall watchdog restarts if stuck
-                            self.log.warning("seek to the committed offsets after a rebalance failed: %r", exc)
-                        break
+                    delivered[tp] += 1
                     n += 1
                     if n % 256 == 0:
                         await asyncio.sleep(0)  # let agents and timers run during large fetches
+                await self._rewind({tp: rs[delivered[tp]].offset for tp, rs in records.items()
+                                    if delivered[tp] < len(rs)}, positions)
         except self.consumer_stopped_errors:
             if self.transport.app.should_stop:
                 return

@@ -336,7 +336,9 @@ def test_workers_share_the_partitions_a_killed_ones_move_and_a_spare_one_idles(s
     from streams import grouping
 
     stream = recorded_stream(run=topics.ns)  # its event times span 3.2 s: no episode idles 8 s of them
-    spare = ["--unassigned-restart-s", "3", "--episode-timeout-s", "8", "--group-timeout-s", "8"]
+    # A group waits in wall time too: one whose members come from episodes of the killed worker's partition
+    # waits out the group session timeout (10 s) and the takeover, so its timeout is longer than both.
+    spare = ["--unassigned-restart-s", "3", "--episode-timeout-s", "8", "--group-timeout-s", "20"]
     a, b = Worker(stack, topics.ns, tmp_path / "a.log", *spare), Worker(stack, topics.ns, tmp_path / "b.log", *spare)
     wait_until(lambda: holders(stack, topics) == [{0}, {1}], a, timeout=90)
     half = len(stream.messages) // 2

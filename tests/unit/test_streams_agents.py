@@ -7,7 +7,7 @@ import zlib
 from types import SimpleNamespace
 from collections import Counter
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 
@@ -518,46 +518,81 @@ class _Stopped:
         return self.loops > 1  # one pass of the drain loop
 
 
-def test_records_fetched_before_a_rebalance_are_fetched_again_not_delivered_over_the_committed_offset(
+def drain_once(app: Any, monkeypatch: pytest.MonkeyPatch, fetch: Callable[[], dict[Any, list[Any]]]
+               ) -> tuple[list[tuple[Any, int]], list[tuple[int, int]], list[dict[Any, int]]]:
+    """One pass of the worker's fetch loop over what `fetch` returns: (delivered, gaps, rewinds)."""
+    consumer = app.consumer
+    delivered: list[tuple[Any, int]] = []
+    gaps: list[tuple[int, int]] = []
+    rewinds: list[dict[Any, int]] = []
+
+    async def callback(message: Any) -> None:
+        delivered.append((message.tp, message.offset))
+
+    async def add_gap(tp: Any, start: int, end: int) -> None:
+        gaps.append((start, end))
+
+    async def fetch_records(timeout: float) -> Any:
+        records = fetch()
+        return records, {tp: rs[-1].offset + 1 for tp, rs in records.items()}
+
+    async def rewind(undelivered: dict[Any, int], positions: dict[Any, Optional[int]]) -> None:
+        assert all(positions[tp] is not None for tp in undelivered)
+        rewinds.append(undelivered)
+
+    monkeypatch.setattr(consumer, "_fetch", fetch_records)
+    monkeypatch.setattr(consumer, "_rewind", rewind)
+    monkeypatch.setattr(consumer, "_add_gap", add_gap)
+    monkeypatch.setattr(consumer, "callback", callback)
+    monkeypatch.setattr(consumer, "_to_message", lambda tp, r: SimpleNamespace(tp=tp, offset=r.offset, topic=tp.topic))
+    monkeypatch.setattr(consumer, "highwater", lambda tp: 1000)
+    asyncio.run(consumer._drain_messages(SimpleNamespace(_stopped=_Stopped())))
+    return delivered, gaps, rewinds
+
+
+def test_records_fetched_before_a_rebalance_are_rewound_not_delivered_over_the_committed_offset(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A fetch that spans a rebalance returns records from their old positions (offset 50 on) while the
     rebalance sought the partition back to its committed offset (10). Delivered, offset 50 would make 11..49
     look acked (a gap) and the records fetched again from 10 would be dropped as already read: lost events,
-    committed. They must be left for the next fetch instead."""
+    committed. They are left for the next fetch instead: the partition goes back to the first of them unless
+    the seek moved it (which _rewind checks against the position the fetch left)."""
     from faust.types import TP
 
     app, _ = make_app()
     consumer = app.consumer
     tp = TP(f"{NS}.rollout.events", 0)
     consumer._read_offset[tp] = 49  # read up to 49 before the rebalance
-    delivered: list[int] = []
-    gaps: list[tuple[int, int]] = []
+    consumer._set_active_tps({tp})
 
-    async def callback(message: Any) -> None:
-        delivered.append(message.offset)
+    def fetch() -> dict[Any, list[Any]]:
+        app.consumer_generation_id += 1  # the rebalance completes while the fetch is in flight
+        consumer._read_offset[tp] = 10  # and seeks to the committed offset, as Faust's perform_seek does
+        return {tp: [SimpleNamespace(offset=o) for o in (50, 51, 52)]}
 
-    async def add_gap(tp: Any, start: int, end: int) -> None:
-        gaps.append((start, end))
-
-    async def getmany(timeout: float) -> Any:
-        # the rebalance completes while this fetch is in flight: a new generation, and the seek to the
-        # committed offset (as Faust's perform_seek leaves the read offset)
-        app.consumer_generation_id += 1
-        consumer._read_offset[tp] = 10
-        for offset in (50, 51, 52):
-            yield tp, SimpleNamespace(offset=offset, topic=tp.topic)
-
-    async def seek_to_committed() -> dict[Any, int]:
-        sought.append(tp)
-        return {tp: 10}
-
-    sought: list[Any] = []
-    monkeypatch.setattr(consumer, "getmany", getmany)
-    monkeypatch.setattr(consumer, "_add_gap", add_gap)
-    monkeypatch.setattr(consumer, "callback", callback)
-    monkeypatch.setattr(consumer, "seek_to_committed", seek_to_committed)
-    fetcher = SimpleNamespace(_stopped=_Stopped())
-    asyncio.run(consumer._drain_messages(fetcher))
+    delivered, gaps, rewinds = drain_once(app, monkeypatch, fetch)
     assert delivered == [] and gaps == []
-    # what the fetch returned is fetched again from the committed offset (nothing of it is lost either)
-    assert sought == [tp] and consumer._read_offset[tp] == 10
+    assert rewinds == [{tp: 50}]
+
+
+def test_records_of_a_partition_paused_since_the_fetch_are_rewound_and_the_others_delivered(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recovery pauses the stream partitions while a fetch is in flight. Faust's loop dropped their records
+    and relied on a seek to the committed offsets to fetch them again, which moves no partition without a
+    committed offset: a worker that took over such a partition (its last owner killed before committing)
+    never saw its events. They go back to the first undelivered record; the active partition is delivered."""
+    from faust.types import TP
+
+    app, _ = make_app()
+    consumer = app.consumer
+    events, trajectories = TP(f"{NS}.rollout.events", 0), TP(f"{NS}.trajectories", 1)
+    consumer._set_active_tps({events, trajectories})
+
+    def fetch() -> dict[Any, list[Any]]:
+        consumer.pause_partitions({events})
+        return {events: [SimpleNamespace(offset=o) for o in range(3)],
+                trajectories: [SimpleNamespace(offset=o) for o in (7, 8)]}
+
+    delivered, gaps, rewinds = drain_once(app, monkeypatch, fetch)
+    assert delivered == [(trajectories, 7), (trajectories, 8)] and gaps == []
+    assert rewinds == [{events: 0}]
