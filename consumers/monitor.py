@@ -107,6 +107,8 @@ class StatsCollector(Collector):
                      ["topic"], s.undecodable.items())
         yield family(GaugeMetricFamily, "trajpipe_throughput", "Records per second over the last 30 s of record time",
                      ["topic"], s.rates(now_ms()).items())
+        yield family(CounterMetricFamily, "trajpipe_resent", "Records counted once already (the same id again: a "
+                     "restarted service re-sent it)", ["topic"], s.resent.items())
         yield family(CounterMetricFamily, "trajpipe_deadletter", "Dead letters per reason", ["reason"],
                      s.deadletter_reasons.items())
         yield family(CounterMetricFamily, "trajpipe_sandbox_outcomes", "Sandbox results per outcome", ["outcome"],

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 from infra.metrics import Welford
 from schemas.codec import codec
@@ -28,6 +28,7 @@ BUCKET_MS = 10_000
 KEEP_BUCKETS = 8_640  # a day of 10 s buckets
 KEEP_POINTS = 10_000
 RECENT = 1_000  # trajectories the policy-lag figures look back over
+RECENT_IDS = 200_000  # record ids remembered to count a re-sent record once (re-sends follow within minutes)
 LEARNER_SOURCE = "learner"
 LOSS_PREFIX = "loss/"
 
@@ -51,6 +52,24 @@ def consumer_lag(committed: dict[tuple[str, int], int], ends: dict[tuple[str, in
         position = offset if offset >= 0 else low  # no commit yet: everything still there is unread
         lag[topic] = lag.get(topic, 0) + max(0, high - max(position, low))
     return lag
+
+
+class Recent:
+    """The last `size` distinct keys: whether a key is new. A restarted service re-sends what it wrote after
+    its last commit (byte-identical trajectories, the same dead letters, events a producer retried), soon
+    after the first copy; counting each id once keeps the monitor's figures those of distinct records."""
+
+    def __init__(self, size: int = RECENT_IDS) -> None:
+        self.size = size
+        self.keys: dict[Hashable, None] = {}  # insertion-ordered: the oldest first
+
+    def add(self, key: Hashable) -> bool:
+        if key in self.keys:
+            return False
+        self.keys[key] = None
+        if len(self.keys) > self.size:
+            del self.keys[next(iter(self.keys))]
+        return True
 
 
 @dataclass
@@ -78,6 +97,8 @@ class PipelineStats:
     # window's value, and the sum over windows (the total, for counters published per window).
     service_latest: dict[tuple[str, str, str], float] = field(default_factory=dict)
     service_sum: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    resent: Counter[str] = field(default_factory=Counter)  # topic -> records counted once already (by id)
+    seen_ids: dict[str, Recent] = field(default_factory=dict)  # topic ->
 
     def __post_init__(self) -> None:
         t = self.topics
@@ -108,14 +129,27 @@ class PipelineStats:
             return
         fold(record, timestamp_ms)
 
+    def _first(self, topic: str, key: Hashable) -> bool:
+        """Whether the record with this id is the first of its topic seen (else it is counted as re-sent)."""
+        if self.seen_ids.setdefault(topic, Recent()).add(key):
+            return True
+        self.resent[topic] += 1
+        return False
+
     def _on_event(self, event: RolloutEvent, ts: int) -> None:
-        if isinstance(event.body, SandboxResult):
+        if isinstance(event.body, SandboxResult) and self._first(self.topics.events, event.event_id):
             self.sandbox_outcomes[event.body.outcome] += 1
 
     def _on_deadletter(self, record: DeadLetter, ts: int) -> None:
-        self.deadletter_reasons[record.reason] += 1
+        # a dead letter is identified by the input record it rejects and why (a re-processed input gives
+        # the same one again)
+        if self._first(self.topics.deadletter, (record.stage, record.source_topic, record.partition, record.offset,
+                                                record.reason)):
+            self.deadletter_reasons[record.reason] += 1
 
     def _on_scored(self, t: Trajectory, ts: int) -> None:
+        if not self._first(self.topics.scored, t.trajectory_id):
+            return
         version = trajectory_version(t)
         self.reward.setdefault(t.domain, Welford()).add(t.reward)
         self.reward_by_version.setdefault((t.domain, version), Welford()).add(t.reward)

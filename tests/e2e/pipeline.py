@@ -11,6 +11,7 @@ from pathlib import Path
 from collections import Counter, defaultdict
 from typing import Callable
 
+from consumers.monitoring import PipelineStats
 from infra.kafka import end_offsets, read_topic
 from infra.launcher import Launcher
 from infra.objectstore import ObjectStore
@@ -19,7 +20,15 @@ from learner import checkpoint_store
 from schemas import codec
 from schemas.keys import trajectory_id
 from schemas.manifests import CheckpointManifest
-from schemas.records import BatchManifest, DeadLetter, EpisodeEnded, EpisodeStarted, RolloutEvent, Trajectory
+from schemas.records import (
+    BatchManifest,
+    DeadLetter,
+    EpisodeEnded,
+    EpisodeStarted,
+    RolloutEvent,
+    SandboxResult,
+    Trajectory,
+)
 from schemas.topics import Topics
 from tests.integration.test_launcher import free_port_pair
 
@@ -186,6 +195,15 @@ def assert_every_id_accounted_for(run: PipelineRun, orphans: bool) -> list[Check
 
     scored = {tr.trajectory_id for tr in decode_all(run, t.scored)}
     assert scored <= set(by_id)
+    # the monitor's figures count each scored trajectory and sandbox result once, whatever a restarted worker
+    # sent again
+    stats = PipelineStats(t)
+    for topic in (t.events, t.scored):
+        for m in read_topic(run.settings, topic, timeout=120):
+            stats.observe(topic, m.timestamp()[1], m.value())
+    assert sum(w.n for w in stats.reward.values()) == len(scored), stats.resent
+    results = {e.event_id: e.body for e in events if isinstance(e.body, SandboxResult)}
+    assert stats.sandbox_outcomes == Counter(r.outcome for r in results.values())
     manifests: dict[str, BatchManifest] = {}
     for m in decode_all(run, t.batches):
         assert manifests.setdefault(m.batch_id, m) == m  # a republished manifest is the same manifest

@@ -27,9 +27,9 @@ def checkpoint(version: int) -> bytes:
                                             ts=T0))
 
 
-def dead(reason: str) -> bytes:
-    return codec.encode(DeadLetter(reason=reason, detail="", stage="clean", source_topic="x", partition=0, offset=0,
-                                   key=None, original=b"", ts=T0))
+def dead(reason: str, offset: int = 0) -> bytes:
+    return codec.encode(DeadLetter(reason=reason, detail="", stage="clean", source_topic="x", partition=0,
+                                   offset=offset, key=None, original=b"", ts=T0))
 
 
 def metric(name: str, value: float, source: str = "learner", at: int = T0) -> bytes:
@@ -47,8 +47,8 @@ def filled() -> PipelineStats:
         for i, r in enumerate(values):
             t = trajectory(f"{domain}{i}", r, domain=domain, turns=[turn(" 4", version=i), turn(" 5", version=i + 1)])
             s.observe(TOPICS.scored, T0 + 10_000 * i, codec.encode(t))
-    for reason in ("bad_magic", "bad_magic", "truncated"):
-        s.observe(TOPICS.deadletter, T0, dead(reason))
+    for offset, reason in enumerate(("bad_magic", "bad_magic", "truncated")):
+        s.observe(TOPICS.deadletter, T0, dead(reason, offset))
     s.observe(TOPICS.metrics, T0, metric("loss/policy", 0.7, at=T0))
     s.observe(TOPICS.metrics, T0, metric("loss/policy", 0.5, at=T0 + 1))
     s.observe(TOPICS.metrics, T0, metric("loss/policy", 9.0, source="streams"))
@@ -69,6 +69,29 @@ def test_counts_outcomes_reasons_and_rewards() -> None:
                                                                    ("math", 2): 0.5, ("code", 0): 0.2}
     assert s.latest_learner() == {"loss/policy": 0.5}  # only the learner's loss/* figures
     assert s.reward_trend("math") == [1.0, 0.0, 0.5]
+
+
+def test_records_a_restarted_service_sends_again_are_counted_once() -> None:
+    """After a kill -9 the streams worker re-processes what it had not committed: the same trajectories (same
+    ids, byte-identical), the same dead letters (same input record and reason) and the log may hold an event
+    twice. Every figure counts each once; the copies show as re-sent, per topic."""
+    s = filled()
+    again = episode("e9", T0, outcome="passed")
+    for ev in again:
+        s.observe(TOPICS.events, ev.ts, codec.encode(ev))
+    before = (dict(s.sandbox_outcomes), dict(s.deadletter_reasons), {d: w.n for d, w in s.reward.items()},
+              {d: w.mean for d, w in s.success.items()}, list(s.recent_policy_lag))
+    for ev in again:  # the log holds it twice
+        s.observe(TOPICS.events, ev.ts, codec.encode(ev))
+    s.observe(TOPICS.scored, T0, codec.encode(trajectory("math0", 1.0, domain="math",
+                                                         turns=[turn(" 4", version=0), turn(" 5", version=1)])))
+    s.observe(TOPICS.deadletter, T0, dead("bad_magic", 0))
+    after = (dict(s.sandbox_outcomes), dict(s.deadletter_reasons), {d: w.n for d, w in s.reward.items()},
+             {d: w.mean for d, w in s.success.items()}, list(s.recent_policy_lag))
+    assert after == before
+    assert s.resent == {TOPICS.events: 1, TOPICS.scored: 1, TOPICS.deadletter: 1}
+    s.observe(TOPICS.deadletter, T0, dead("bad_magic", 7))  # another input record: counted
+    assert s.deadletter_reasons["bad_magic"] == 3
 
 
 def test_policy_lag_measures_the_oldest_turn_against_the_newest_checkpoint() -> None:
