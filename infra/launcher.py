@@ -27,7 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from infra.settings import DEFAULT_KAFKA_PORT, DEFAULT_MINIO_PORT, Settings, cache_dir, state_credentials
+from infra.settings import (
+    DEFAULT_KAFKA_PORT,
+    DEFAULT_MINIO_PORT,
+    Settings,
+    cache_dir,
+    record_brokers,
+    recorded_brokers,
+    state_credentials,
+)
 from schemas.errors import InfraError
 
 KAFKA_VERSION = "4.1.1"
@@ -135,10 +143,7 @@ class Launcher:
 
     def _recorded_brokers(self) -> int:
         """How many brokers this state dir's Kafka was formatted with (0: not formatted yet)."""
-        record = self.state / "kafka.brokers"
-        if record.exists():
-            return int(record.read_text().strip())
-        return 1 if (self._data_dir(1) / "meta.properties").exists() else 0
+        return recorded_brokers(self.state) or (1 if (self._data_dir(1) / "meta.properties").exists() else 0)
 
     @property
     def minio(self) -> Server:
@@ -244,7 +249,7 @@ class Launcher:
         """Node `node`'s server.properties; formats every node's data dir (one cluster id) the first time."""
         self.state.mkdir(parents=True, exist_ok=True)
         factor, min_isr = replication(self.brokers)
-        controllers = [(i, self.kafka_port + 2 * (i - 1) + 1) for i in range(1, self.brokers + 1)]
+        controllers = [(i, node.port + 1) for i, node in enumerate(self.kafka_nodes, 1)]  # next to its port
         # one node keeps the dynamic quorum it always had; a cluster names its voters statically
         quorum = (f"controller.quorum.bootstrap.servers=127.0.0.1:{controllers[0][1]}" if self.brokers == 1 else
                   "controller.quorum.voters=" + ",".join(f"{i}@127.0.0.1:{port}" for i, port in controllers))
@@ -267,7 +272,7 @@ class Launcher:
                                       capture_output=True, text=True)
                 if proc.returncode != 0:
                     raise InfraError(f"formatting the Kafka data dir failed: {proc.stdout}{proc.stderr}")
-            (self.state / "kafka.brokers").write_text(f"{self.brokers}\n")
+            record_brokers(self.state, self.brokers)
         return confs[node - 1]
 
     def _java(self, args: list[str], log_file: Optional[Path] = None) -> list[str]:

@@ -29,11 +29,20 @@ def state_credentials(path: Path) -> dict[str, str]:
     return {k.strip(): v.strip() for k, v in pairs}
 
 
+def recorded_brokers(state: Path) -> int:
+    """How many brokers the local Kafka in the state dir `state` was formatted with (0: none recorded)."""
+    record = state / "kafka.brokers"
+    return int(record.read_text().strip() or 1) if record.exists() else 0
+
+
+def record_brokers(state: Path, brokers: int) -> None:
+    (state / "kafka.brokers").write_text(f"{brokers}\n")
+
+
 def local_kafka_bootstrap(env: Mapping[str, str] = os.environ) -> str:
     """Every node of the local platform (`python -m infra up [--brokers N]`): node i on the Kafka port + 2(i-1)."""
     port = int(env.get("TRAJPIPE_KAFKA_PORT") or DEFAULT_KAFKA_PORT)
-    record = cache_dir(env) / "local" / "kafka.brokers"
-    brokers = int(record.read_text().strip() or 1) if record.exists() else 1
+    brokers = recorded_brokers(cache_dir(env) / "local") or 1
     return ",".join(f"127.0.0.1:{port + 2 * i}" for i in range(brokers))
 
 
