@@ -171,7 +171,12 @@ def assert_every_id_accounted_for(run: PipelineRun, orphans: bool) -> list[Check
     """Every ended episode in one trajectory id, every scored trajectory in one batch, every batch trained once;
     returns the lineage of announced checkpoints."""
     t = run.topics
-    events: list[RolloutEvent] = decode_all(run, t.events)
+    stats = PipelineStats(t)  # the monitor's figures, folded from the same records
+    raw = {topic: list(read_topic(run.settings, topic, timeout=120)) for topic in (t.events, t.scored)}
+    for topic, messages in raw.items():
+        for m in messages:
+            stats.observe(topic, m.timestamp()[1], m.value())
+    events: list[RolloutEvent] = [codec.decode(m.value()) for m in raw[t.events]]
     started = {e.episode_id for e in events if isinstance(e.body, EpisodeStarted)}
     ended = {e.episode_id for e in events if isinstance(e.body, EpisodeEnded)}
     assert len(started) >= 100 and ended <= started
@@ -193,14 +198,10 @@ def assert_every_id_accounted_for(run: PipelineRun, orphans: bool) -> list[Check
         [f"{d.reason} ({d.stage}, {d.source_topic}:{d.partition}@{d.offset}): {d.detail}" for d in dead]
         + [describe({d.key.decode(errors="replace") for d in dead if d.key}, events, run)])
 
-    scored = {tr.trajectory_id for tr in decode_all(run, t.scored)}
+    scored = {codec.decode(m.value(), Trajectory).trajectory_id for m in raw[t.scored]}
     assert scored <= set(by_id)
     # the monitor's figures count each scored trajectory and sandbox result once, whatever a restarted worker
     # sent again
-    stats = PipelineStats(t)
-    for topic in (t.events, t.scored):
-        for m in read_topic(run.settings, topic, timeout=120):
-            stats.observe(topic, m.timestamp()[1], m.value())
     assert sum(w.n for w in stats.reward.values()) == len(scored), stats.resent
     results = {e.event_id: e.body for e in events if isinstance(e.body, SandboxResult)}
     assert stats.sandbox_outcomes == Counter(r.outcome for r in results.values())
