@@ -22,7 +22,7 @@ from typing import Any, Iterator, Optional
 from confluent_kafka import OFFSET_BEGINNING, Consumer, ConsumerGroupTopicPartitions, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from rich.console import Console, Group
 from rich.live import Live
@@ -133,6 +133,12 @@ class StatsCollector(Collector):
         yield family(GaugeMetricFamily, "trajpipe_service", "Every service's newest figure on the metrics topic "
                      "(rollout/, shards/, streams/, learner/ ...)", ["source", "name", "labels"],
                      s.service_latest.items())
+        for name, doc, latency in (
+                ("trajpipe_batch_latency_seconds", "From an episode's EpisodeEnded to the batch manifest that makes its "
+                 "trajectory readable by the learner", s.batch_latency),
+                ("trajpipe_checkpoint_latency_seconds", "From a checkpoint's announcement to a rollout worker "
+                 "generating with it", s.checkpoint_latency)):
+            yield HistogramMetricFamily(name, doc, buckets=latency.cumulative(), sum_value=latency.total_s)
         yield family(CounterMetricFamily, "trajpipe_service_windows", "A service figure summed over its windows "
                      "(the total of a per-window counter)", ["source", "name", "labels"], s.service_sum.items())
 
@@ -155,8 +161,12 @@ def dashboard(s: PipelineStats) -> Table:
     mean, worst = s.policy_lag()
     policy = Table("checkpoint", "trajectory", "lag mean", "lag max", title="newest policy versions")
     policy.add_row(str(s.newest_checkpoint), str(s.newest_trajectory_version), f"{mean:.2f}", str(worst))
+    latency = Table("from -> to", "n", "p50 s", "p99 s", title="latency")
+    for name, dist in (("episode ended -> in a batch", s.batch_latency),
+                       ("checkpoint -> generating", s.checkpoint_latency)):
+        latency.add_row(name, f"{dist.count:,}", f"{dist.quantile(0.5):.2f}", f"{dist.quantile(0.99):.2f}")
     grid = Table.grid(padding=(0, 2))
-    grid.add_row(Group(flow, lag, policy), Group(reward, counts_table("sandbox outcomes", s.sandbox_outcomes),
+    grid.add_row(Group(flow, lag, policy, latency), Group(reward, counts_table("sandbox outcomes", s.sandbox_outcomes),
                                                  counts_table("dead letters", s.deadletter_reasons),
                                                  counts_table("learner", s.latest_learner(), "{:.4f}")))
     return grid

@@ -15,6 +15,7 @@ from infra.metrics import Welford
 from schemas.codec import codec
 from schemas.errors import DecodeError
 from schemas.records import (
+    BatchManifest,
     CheckpointPublished,
     DeadLetter,
     PipelineMetric,
@@ -31,6 +32,9 @@ RECENT = 1_000  # trajectories the policy-lag figures look back over
 RECENT_IDS = 200_000  # record ids remembered to count a re-sent record once (re-sends follow within minutes)
 LEARNER_SOURCE = "learner"
 LOSS_PREFIX = "loss/"
+CHECKPOINT_LATENCY = "rollout/checkpoint_latency_s"  # a rollout worker's: announcement -> generating with it
+LATENCY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+KEEP_LATENCIES = 10_000  # recent observations the quantiles are read from
 
 
 def bucket_of(ms: int, bucket_ms: int = BUCKET_MS) -> int:
@@ -61,15 +65,49 @@ class Recent:
 
     def __init__(self, size: int = RECENT_IDS) -> None:
         self.size = size
-        self.keys: dict[Hashable, None] = {}  # insertion-ordered: the oldest first
+        self.keys: dict[Hashable, Any] = {}  # insertion-ordered: the oldest first
 
-    def add(self, key: Hashable) -> bool:
+    def add(self, key: Hashable, value: Any = None) -> bool:
         if key in self.keys:
             return False
-        self.keys[key] = None
+        self.keys[key] = value
         if len(self.keys) > self.size:
             del self.keys[next(iter(self.keys))]
         return True
+
+    def pop(self, key: Hashable) -> Any:
+        return self.keys.pop(key, None)
+
+
+@dataclass
+class Latency:
+    """A latency distribution: Prometheus buckets (cumulative when exported) and the recent values."""
+    count: int = 0
+    total_s: float = 0.0
+    buckets: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS_S))
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=KEEP_LATENCIES))
+
+    def add(self, seconds: float) -> None:
+        seconds = max(0.0, seconds)
+        self.count += 1
+        self.total_s += seconds
+        self.recent.append(seconds)
+        for i, bound in enumerate(LATENCY_BUCKETS_S):
+            if seconds <= bound:
+                self.buckets[i] += 1
+                break
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """Prometheus histogram buckets: (upper bound, observations at or under it), +Inf last."""
+        out, running = [], 0
+        for bound, n in zip(LATENCY_BUCKETS_S, self.buckets):
+            running += n
+            out.append((repr(bound), running))
+        return out + [("+Inf", self.count)]
+
+    def quantile(self, q: float) -> float:
+        values = sorted(self.recent)
+        return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 @dataclass
@@ -99,6 +137,12 @@ class PipelineStats:
     service_sum: dict[tuple[str, str, str], float] = field(default_factory=dict)
     resent: Counter[str] = field(default_factory=Counter)  # topic -> records counted once already (by id)
     seen_ids: dict[str, Recent] = field(default_factory=dict)  # topic ->
+    # An episode's EpisodeEnded (the trajectory's ended_ts) -> the batch manifest holding it (broker time):
+    # when its trajectory is readable by the learner. Whichever record comes second completes the pair.
+    batch_latency: Latency = field(default_factory=Latency)
+    checkpoint_latency: Latency = field(default_factory=Latency)  # announcement -> a worker generating with it
+    ended_at: Recent = field(default_factory=Recent)  # trajectory id -> ended_ts, until its batch is seen
+    batched_at: Recent = field(default_factory=Recent)  # trajectory id -> batch time, until it is seen scored
 
     def __post_init__(self) -> None:
         t = self.topics
@@ -107,6 +151,7 @@ class PipelineStats:
             t.deadletter: (DeadLetter, self._on_deadletter),
             t.scored: (Trajectory, self._on_scored),
             t.checkpoints: (CheckpointPublished, self._on_checkpoint),
+            t.batches: (BatchManifest, self._on_batch),
             t.metrics: (PipelineMetric, self._on_metric),
         }
 
@@ -150,6 +195,11 @@ class PipelineStats:
     def _on_scored(self, t: Trajectory, ts: int) -> None:
         if not self._first(self.topics.scored, t.trajectory_id):
             return
+        batched = self.batched_at.pop(t.trajectory_id)
+        if batched is not None:
+            self.batch_latency.add((batched - t.ended_ts) / 1000)
+        else:
+            self.ended_at.add(t.trajectory_id, t.ended_ts)
         version = trajectory_version(t)
         self.reward.setdefault(t.domain, Welford()).add(t.reward)
         self.reward_by_version.setdefault((t.domain, version), Welford()).add(t.reward)
@@ -168,8 +218,20 @@ class PipelineStats:
     def _on_checkpoint(self, c: CheckpointPublished, ts: int) -> None:
         self.newest_checkpoint = max(self.newest_checkpoint, c.version)
 
+    def _on_batch(self, m: BatchManifest, ts: int) -> None:
+        if not self._first(self.topics.batches, m.batch_id):
+            return
+        for trajectory_id in m.trajectory_ids:
+            ended = self.ended_at.pop(trajectory_id)
+            if ended is not None:
+                self.batch_latency.add((ts - ended) / 1000)
+            else:
+                self.batched_at.add(trajectory_id, ts)
+
     def _on_metric(self, m: PipelineMetric, ts: int) -> None:
         key = (m.source, m.name, ",".join(f"{k}={v}" for k, v in sorted(m.labels.items())))
+        if m.name == CHECKPOINT_LATENCY and self._first(self.topics.metrics, key):  # one per worker and version
+            self.checkpoint_latency.add(m.value)
         self.service_latest[key] = m.value
         self.service_sum[key] = self.service_sum.get(key, 0.0) + m.value
         if m.source == LEARNER_SOURCE and m.name.startswith(LOSS_PREFIX):

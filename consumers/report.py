@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from consumers.monitoring import PipelineStats  # noqa: E402
 
 PLOTS = ("reward_by_policy_version.png", "success_by_policy_version.png", "throughput.png", "consumer_lag.png",
-         "deadletters.png", "learner_loss.png")
+         "deadletters.png", "learner_loss.png", "latency.png")
 
 
 def _time(ms: int) -> dt.datetime:
@@ -66,6 +66,20 @@ def plot_learner(s: PipelineStats, ax: Any) -> None:
     ax.set(xlabel="time (UTC)", ylabel="value", title="learner losses")
 
 
+def plot_latency(s: PipelineStats, ax: Any) -> None:
+    """The recent latencies as cumulative distributions: the share of observations under each time."""
+    for label, dist in latencies(s):
+        values = sorted(dist.recent)
+        if values:
+            ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post",
+                    label=f"{label} (n={dist.count:,})")
+    ax.set(xscale="log", xlabel="seconds", ylabel="share at or under", title="latency")
+
+
+def latencies(s: PipelineStats) -> list[tuple[str, Any]]:
+    return [("episode ended -> in a batch", s.batch_latency), ("checkpoint announced -> generating", s.checkpoint_latency)]
+
+
 def save_plot(path: Path, draw: Callable[[PipelineStats, Any], None], s: PipelineStats) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     try:
@@ -106,6 +120,8 @@ def summary_markdown(s: PipelineStats) -> str:
     lines += ["## Policy", "", f"Newest checkpoint v{s.newest_checkpoint}, newest trajectory version "
               f"v{s.newest_trajectory_version}; policy lag of recent trajectories: mean {mean:.2f}, max {worst}.", ""]
     lines += ["## Learner", ""] + table(("figure", "latest"), [(n, f"{v:.4f}") for n, v in s.latest_learner().items()])
+    lines += ["## Latency", ""] + table(("from -> to", "n", "p50 s", "p99 s"), [
+        (label, d.count, f"{d.quantile(0.5):.2f}", f"{d.quantile(0.99):.2f}") for label, d in latencies(s)])
     lines += ["## Plots", ""] + [f"![{p.removesuffix('.png')}]({p})" for p in PLOTS] + [""]
     return "\n".join(lines)
 
@@ -113,7 +129,8 @@ def summary_markdown(s: PipelineStats) -> str:
 def write_report(s: PipelineStats, out: Path) -> Path:
     """Write every plot and summary.md into `out`; returns the summary's path."""
     out.mkdir(parents=True, exist_ok=True)
-    draws = (plot_reward_by_version, plot_success_by_version, plot_throughput, plot_lag, plot_deadletters, plot_learner)
+    draws = (plot_reward_by_version, plot_success_by_version, plot_throughput, plot_lag, plot_deadletters, plot_learner,
+             plot_latency)
     for name, draw in zip(PLOTS, draws):
         save_plot(out / name, draw, s)
     path = out / "summary.md"

@@ -4,6 +4,9 @@ Points: the learner's mid_update, after_save, after_publish; a rollout worker's 
 EpisodeStarted events are delivered, the rest of the step never is: every episode of the step is orphaned);
 the streams worker's wedged_batch (`fault_hit`: its events agent hangs on the n-th batch, as a stuck client
 would).
+
+Under torchrun, `point:n@rank` fires only in that rank, and a fault fires only in the job's first attempt
+(torchrun's restarts, TORCHELASTIC_RESTART_COUNT > 0, run clean): one injected crash, then the recovery.
 """
 from __future__ import annotations
 
@@ -29,7 +32,10 @@ def fault_point(name: str, before: Optional[Callable[[], None]] = None) -> None:
 def fault_hit(name: str) -> bool:
     """True on the n-th pass of `name` when TRAJPIPE_FAULT is `name:n` (n = 1 if omitted), else False."""
     spec = os.environ.get(ENV_VAR, "")
-    if not spec:
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return False
+    spec, _, rank = spec.partition("@")
+    if rank and os.environ.get("RANK", "0") != rank:
         return False
     point, _, count = spec.partition(":")
     if point != name:

@@ -22,12 +22,14 @@ from infra.settings import Settings
 from learner import checkpoint_store
 from learner.checkpoint_files import file_entries, load_model_tensors, read_checkpoint, write_checkpoint
 from infra.faults import fault_point
+from learner.distributed import START, STOP, TRAIN, World, join, pack, rank_device, unpack
 from learner.model import build_policy, frozen_reference
 from learner.settings import LearnerSettings, shaping_args
 from learner.update import Lineage, TrainConfig, Trainer
 from schemas.codec import codec
 from schemas.manifests import LEARNER_FINISHED_LINE, CheckpointManifest
-from schemas.records import PipelineMetric
+from schemas.errors import PipelineError
+from schemas.records import PipelineMetric, Trajectory
 
 STALE_UNFETCHED = "stale: not fetched (every turn of its batch was over --max-policy-lag versions behind)"
 KEEP_IDS = 1000  # batch ids carried from checkpoint to checkpoint (plus the newest per source partition)
@@ -67,32 +69,24 @@ def carried_ids(previous: list[str], new: list[str]) -> list[str]:
     return list(dict.fromkeys(ids[-KEEP_IDS:] + sorted(newest.values())))
 
 
-class LearnerService:
-    def __init__(self, settings: LearnerSettings, platform: Settings) -> None:
+class PolicyHolder:
+    """What every rank holds: the policy, its trainer and KL/DPO anchor, and the version it is at."""
+
+    def __init__(self, settings: LearnerSettings, platform: Settings, world: World) -> None:
         self.s = settings
         self.platform = platform
-        self.topics = settings.topics
+        self.world = world
         self.store = ObjectStore(platform, retry_for_s=600.0)
-        self.publisher = Publisher(platform)
-        self.reader = BatchReader(platform, settings.ns, settings.group, ShardCache(settings.cache_dir, settings.cache_bytes),
-                                  prefetch=settings.prefetch, store=self.store)
         torch.manual_seed(settings.seed)
-        self.device = torch.device(settings.device if settings.device != "auto" else
-                                   "cuda" if torch.cuda.is_available() else "cpu")
-        model: Any = build_policy(settings.model_dir, layers=settings.layers, width=settings.width, seed=settings.seed)
-        self.model = model.to(self.device)
+        device = rank_device(settings.device, world)
+        self.device = torch.device(device if device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+        self.model: Any = None
         self.version = 0
         self.updates = 0
-        self.trained_ids: list[str] = []
-        self.pending_ids: list[str] = []
-        self.skipped: dict[str, str] = {}  # batch id -> why it trained nothing, since the last checkpoint
-        self.untrained: dict[str, str] = {}  # trajectory id -> why it did not train, since the last checkpoint
         self.reference: Any = None  # the KL / DPO anchor: checkpoint v{reference_version}, never the restored policy
         # Whose versions the data's turns count in: set from the store in resume() (a run started with --init)
         self.lineage = Lineage(run=settings.ns, replicates=settings.replica_of)
-        self.trainer = self.make_trainer(self.phase_algorithm(0))
-        self.timing = {"wait_s": 0.0, "compute_s": 0.0, "checkpoint_s": 0.0}
-        self._stop = False
+        self.trainer: Trainer
 
     def phase_algorithm(self, updates: int) -> str:
         return "sft" if updates < self.s.sft_updates else self.s.algorithm
@@ -100,7 +94,7 @@ class LearnerService:
     def make_trainer(self, algorithm: str) -> Trainer:
         config = train_config(self.s, algorithm)
         return Trainer(self.model, config, reference=self.reference_model() if config.needs_reference else None,
-                       lineage=self.lineage)
+                       lineage=self.lineage, world=self.world)
 
     def reference_model(self) -> Any:
         """Checkpoint v{reference_version} as stored, loaded once: the same anchor before and after a restart."""
@@ -113,8 +107,85 @@ class LearnerService:
                 stored = model_from_config(state.model_config)
                 load_model_tensors(stored, state.model)
                 self.reference = frozen_reference(stored.to(self.device))
-            print(f"KL/DPO reference: v{self.s.reference_version}", file=sys.stderr, flush=True)
+            if self.world.leader:
+                print(f"KL/DPO reference: v{self.s.reference_version}", file=sys.stderr, flush=True)
         return self.reference
+
+    def restore(self, loaded: checkpoint_store.LoadedCheckpoint) -> dict[str, Any]:
+        """Weights, optimizer moments and counters of a verified checkpoint; returns its trainer state."""
+        state = read_checkpoint(loaded.files)
+        self.updates = int(state.trainer.get("updates", 0))
+        self.model = model_from_config(state.model_config).to(self.device)
+        self.version = loaded.manifest.version
+        self.trainer = self.make_trainer(self.phase_algorithm(self.updates))
+        self.trainer.load_checkpoint_state(state.model, state.optimizer, state.trainer)
+        return state.trainer
+
+    def follow_lineage(self) -> None:
+        """The runs this one descends from, as its v0 recorded them: a restart needs no --init to keep them."""
+        self.lineage = Lineage(self.s.ns, self.s.replica_of, tuple(checkpoint_store.ancestors(self.store, self.s.ns)))
+        self.trainer.lineage = self.lineage
+        if self.lineage.ancestors and self.world.leader:
+            print("lineage: " + " <- ".join([f"{self.s.ns}:v0", *(f"{r}:v{v}" for r, v in self.lineage.ancestors)]),
+                  file=sys.stderr, flush=True)
+
+    def maybe_switch_phase(self) -> None:
+        algorithm = self.phase_algorithm(self.updates)
+        if algorithm != self.trainer.config.algorithm:
+            previous = self.trainer
+            self.trainer = self.make_trainer(algorithm)
+            self.trainer.load_optimizer_state(previous.optimizer.state_dict())  # see Trainer.load_optimizer_state
+            self.trainer.step_count = previous.step_count
+            if self.world.leader:
+                print(f"switching to {algorithm} after {self.updates} updates", file=sys.stderr, flush=True)
+
+
+class Follower(PolicyHolder):
+    """A rank other than 0 under torchrun: starts from the version rank 0 resumed at (loaded and verified from
+    the store), then trains its share of every batch rank 0 sends, until rank 0 says stop."""
+
+    def run(self) -> dict[str, Any]:
+        kind, version, _, _ = self.world.receive()
+        if kind != START:
+            raise PipelineError(f"rank {self.world.rank}: expected rank 0 to start, got command {kind}")
+        self.restore(checkpoint_store.load_version(self.store, self.s.ns, version))
+        self.follow_lineage()
+        started, trained = version, 0
+        while True:
+            kind, version, updates, payload = self.world.receive()
+            if kind == STOP:
+                break
+            if kind != TRAIN:
+                continue
+            self.version, self.updates = version, updates
+            self.maybe_switch_phase()
+            trajectories = [codec.decode(record, Trajectory) for record in unpack(payload)]
+            self.trainer.step(trajectories, current_version=version)
+            fault_point("mid_update")
+            trained += 1
+        print(f"{self.world.describe()}: trained its share of {trained} updates from v{started}", file=sys.stderr,
+              flush=True)
+        return {"rank": self.world.rank, "updates": trained}
+
+
+class LearnerService(PolicyHolder):
+    """Rank 0 (or the only process): reads batches, trains, writes and announces checkpoints, commits offsets."""
+
+    def __init__(self, settings: LearnerSettings, platform: Settings, world: Optional[World] = None) -> None:
+        super().__init__(settings, platform, world or World())
+        self.topics = settings.topics
+        self.publisher = Publisher(platform)
+        self.reader = BatchReader(platform, settings.ns, settings.group, ShardCache(settings.cache_dir, settings.cache_bytes),
+                                  prefetch=settings.prefetch, store=self.store)
+        model: Any = build_policy(settings.model_dir, layers=settings.layers, width=settings.width, seed=settings.seed)
+        self.model = model.to(self.device)
+        self.trained_ids: list[str] = []
+        self.pending_ids: list[str] = []
+        self.skipped: dict[str, str] = {}  # batch id -> why it trained nothing, since the last checkpoint
+        self.untrained: dict[str, str] = {}  # trajectory id -> why it did not train, since the last checkpoint
+        self.trainer = self.make_trainer(self.phase_algorithm(0))
+        self.timing = {"wait_s": 0.0, "compute_s": 0.0, "checkpoint_s": 0.0}
+        self._stop = False
 
     # ---- resume --------------------------------------------------------------------------------
     def resume(self) -> str:
@@ -124,13 +195,8 @@ class LearnerService:
             self.checkpoint(initial=True)
             self.follow_lineage()
             return f"fresh: published {how} as v0"
-        state = read_checkpoint(loaded.files)
-        self.updates = int(state.trainer.get("updates", 0))
-        self.model = model_from_config(state.model_config).to(self.device)
-        self.version = loaded.manifest.version
-        self.trainer = self.make_trainer(self.phase_algorithm(self.updates))
-        self.trainer.load_checkpoint_state(state.model, state.optimizer, state.trainer)
-        self.trained_ids = list(state.trainer.get("trained_batch_ids", []))
+        trainer_state = self.restore(loaded)
+        self.trained_ids = list(trainer_state.get("trained_batch_ids", []))
         self.reader.seek(loaded.manifest.offsets)
         self.reader.mark_seen(self.trained_ids)
         self.follow_lineage()
@@ -145,14 +211,6 @@ class LearnerService:
         self.reference = None  # the anchor is v0: these weights, not the ones built before
         self.trainer = self.make_trainer(self.phase_algorithm(0))
         return f"the weights of {run}:v{version}"
-
-    def follow_lineage(self) -> None:
-        """The runs this one descends from, as its v0 recorded them: a restart needs no --init to keep them."""
-        self.lineage = Lineage(self.s.ns, self.s.replica_of, tuple(checkpoint_store.ancestors(self.store, self.s.ns)))
-        self.trainer.lineage = self.lineage
-        if self.lineage.ancestors:
-            print("lineage: " + " <- ".join([f"{self.s.ns}:v0", *(f"{r}:v{v}" for r, v in self.lineage.ancestors)]),
-                  file=sys.stderr, flush=True)
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def checkpoint(self, initial: bool = False) -> None:
@@ -196,15 +254,6 @@ class LearnerService:
             print(f"retention: v{old}'s files deleted ({freed / 1e6:.0f} MB), its manifest kept", file=sys.stderr, flush=True)
 
     # ---- updates -------------------------------------------------------------------------------
-    def maybe_switch_phase(self) -> None:
-        algorithm = self.phase_algorithm(self.updates)
-        if algorithm != self.trainer.config.algorithm:
-            previous = self.trainer
-            self.trainer = self.make_trainer(algorithm)
-            self.trainer.load_optimizer_state(previous.optimizer.state_dict())  # see Trainer.load_optimizer_state
-            self.trainer.step_count = previous.step_count
-            print(f"switching to {algorithm} after {self.updates} updates", file=sys.stderr, flush=True)
-
     def checkpoint_due(self) -> bool:
         """Every --updates-per-checkpoint updates; during SFT every --sft-updates-per-checkpoint, since no
         rollout worker waits for those versions; and always at the end of the SFT phase."""
@@ -222,6 +271,7 @@ class LearnerService:
         self.maybe_switch_phase()
         started = time.monotonic()
         trajectories = [t for batch in batches for t in batch.trajectories]
+        self.world.send(TRAIN, self.version, self.updates, pack([codec.encode(t) for t in trajectories]))
         metrics = self.trainer.step(trajectories, current_version=self.version)
         fault_point("mid_update")
         self.timing["compute_s"] += time.monotonic() - started
@@ -288,6 +338,7 @@ class LearnerService:
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
         print(self.resume(), file=sys.stderr, flush=True)
+        self.world.send(START, self.version, self.updates)  # the other ranks load this version from the store
         idle_since = time.monotonic()
         gathered: list[LoadedBatch] = []
         try:
@@ -296,6 +347,7 @@ class LearnerService:
                 batch = self.reader.next_batch(timeout=1.0)
                 self.timing["wait_s"] += time.monotonic() - waited
                 if batch is None:
+                    self.world.heartbeat()
                     continue
                 idle_since = time.monotonic()
                 gathered.append(batch)
@@ -309,6 +361,7 @@ class LearnerService:
             if self.s.max_updates is not None and self.updates >= self.s.max_updates:
                 print(f"{LEARNER_FINISHED_LINE} {self.s.max_updates} at v{self.version}", file=sys.stderr,
                       flush=True)
+            self.world.send(STOP)
         finally:
             self.reader.close()
             self.publisher.close()
@@ -332,15 +385,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     import json
 
     from learner.settings import from_args
-    from schemas.errors import PipelineError
 
+    settings = from_args(argv)
+    world = join(settings.device)
     try:
-        report = LearnerService(from_args(argv), Settings.from_env()).run()
+        if not world.leader:
+            Follower(settings, Settings.from_env(), world).run()
+            return 0
+        report = LearnerService(settings, Settings.from_env(), world).run()
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        world.close()
     print(json.dumps(report))
     return 0
 
 
-__all__ = ["LearnerService", "main"]
+__all__ = ["Follower", "LearnerService", "main"]

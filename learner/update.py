@@ -28,6 +28,7 @@ from learner.checkpoint_files import (
     model_tensors,
     unflatten_optimizer_state,
 )
+from learner.distributed import World
 from learner.losses import (
     LOSS_AGGS,
     dpo_loss,
@@ -281,9 +282,10 @@ class Trainer:
     """Owns the policy, its frozen reference (when the loss needs one) and the optimizer."""
 
     def __init__(self, model: PreTrainedModel, config: TrainConfig, reference: PreTrainedModel | None = None,
-                 lineage: Lineage = Lineage()) -> None:
+                 lineage: Lineage = Lineage(), world: World | None = None) -> None:
         torch.manual_seed(config.seed)  # nothing here samples, but a model with dropout draws from it
         self.model, self.config, self.lineage = model, config, lineage
+        self.world = world or World()  # under torchrun: this rank backpropagates its share, gradients summed
         set_grad_checkpointing(model, config.grad_checkpointing)
         # On resume pass the base model as `reference`: a copy of the restored policy would move the anchor.
         if reference is None and config.needs_reference:
@@ -315,25 +317,29 @@ class Trainer:
     def micro_batches(self, kept: Sequence[Weighted]) -> tuple[list[Batch], dict[str, float]]:
         """grad_accum padded batches (and pairing counts); DPO batches hold chosen rows, then rejected rows."""
         if self.config.algorithm != "dpo":
-            return [collate(chunk, self.config.max_len) for chunk in split(kept, self.config.grad_accum)], {}
+            mine = self.world.shard(kept)
+            return [collate(chunk, self.config.max_len) for chunk in split(mine, self.config.grad_accum)], {}
         pairs, skipped = preference_pairs(trajectory for trajectory, _ in kept)
-        chunks = split(pairs, self.config.grad_accum)
+        chunks = split(self.world.shard(pairs), self.config.grad_accum)
         counts = {"pairs/built": float(len(pairs)), "pairs/skipped_groups": float(skipped)}
         return [collate(pair_items(chunk), self.config.max_len) for chunk in chunks], counts
 
     def accumulate(self, batches: Sequence[Batch]) -> dict[str, float]:
         """Backward over every micro-batch, each scaled by its share of the loss denominator, so the summed
-        gradient equals that of the whole batch in one piece."""
+        gradient equals that of the whole batch in one piece; under torchrun the whole batch is every rank's
+        micro-batches, and the gradients and figures are summed over the ranks."""
         sizes = [self.denominator(batch) for batch in batches]
+        whole = self.world.total(sum(sizes))
         metrics = token_stats(batches)
         for batch, size in zip(batches, sizes):
             if size == 0:
                 continue
-            share = size / sum(sizes)  # the micro-batch's part of the whole batch's mean
+            share = size / whole  # the micro-batch's part of the whole batch's mean
             loss, parts = self.loss(batch.to(self.device))
             (loss * share).backward()
             add_weighted(metrics, parts, share)
-        return metrics
+        self.world.sum_gradients([p for _, p in self.named_params])
+        return self.world.sum_metrics(metrics)
 
     def denominator(self, batch: Batch) -> float:
         if self.config.algorithm == "dpo":

@@ -48,6 +48,8 @@ class WorkerStats:
     sandbox_s: float = 0.0
     paused_s: float = 0.0
     versions_loaded: list[int] = field(default_factory=list)
+    # (version, seconds from its announcement to this worker generating with it), not yet published
+    load_latencies: list[tuple[int, float]] = field(default_factory=list)
 
     def add(self, s: StepSummary) -> None:
         self.steps += 1
@@ -148,6 +150,8 @@ class RolloutWorker:
                                      f"(--model/--layers/--width must match the learner's): {exc}")
                 return
             self.stats.versions_loaded.append(ready.version)
+            # generation with it starts now: the step that follows this call
+            self.stats.load_latencies.append((ready.version, max(0.0, time.time() - ready.event.ts / 1000)))
             self.episodes_this_version = 0
             print(f"[{self.settings.producer_id}] loaded policy v{ready.version}", file=sys.stderr, flush=True)
 
@@ -205,6 +209,9 @@ class RolloutWorker:
         m.gauge("rollout/policy_version", float(self.backend.version), producer=worker)
         m.gauge("rollout/checkpoints_loaded", float(len(self.stats.versions_loaded)), producer=worker)
         m.gauge("rollout/checkpoints_refused", float(len(self.follower.refused)), producer=worker)
+        for version, seconds in self.stats.load_latencies:
+            m.gauge("rollout/checkpoint_latency_s", seconds, producer=worker, version=str(version))
+        self.stats.load_latencies.clear()
         now = int(time.time() * 1000)
         publish(self.metrics_out, self.settings.topics.metrics, m.flush(self.window_start, now))
         self.window_start = now

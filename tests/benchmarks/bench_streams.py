@@ -114,27 +114,42 @@ def expected_scored(events: list[RolloutEvent]) -> int:
     return sum(isinstance(e.body, EpisodeEnded) for e in events)
 
 
-def throughput(settings: Settings, args: argparse.Namespace) -> dict[str, float]:
+def throughput(settings: Settings, args: argparse.Namespace, workers: int = 1,
+               settle_s: float = 0.0) -> dict[str, float]:
+    """Events/s through `workers` stream workers. With `settle_s`, the workers start first and have that
+    long to share the partitions before the events are loaded (a scaling figure without the rebalance);
+    without it, the events are loaded first and one worker starts on them."""
     ns = f"bench{uuid.uuid4().hex[:8]}"
     bootstrap(settings, ns, args.partitions)
     topics = Topics(ns, args.partitions)
     events = list(interleaved(args.events, args.tokens, args.concurrent, seed=1))
+    started: list[subprocess.Popen] = []  # type: ignore[type-arg]
+
+    def start() -> None:
+        started.extend(start_worker(settings, ns, Path(args.log_dir) / f"{ns}-{w}.log") for w in range(workers))
+        time.sleep(settle_s)
+
+    if settle_s:
+        start()
     publisher = Publisher(settings)
     for event in events:
         publisher.send(topics.events, event.episode_id.encode(), codec.encode(event))
     publisher.close()
     trajectories = expected_scored(events)
-    worker = start_worker(settings, ns, Path(args.log_dir) / f"{ns}.log")
+    if not settle_s:
+        start()
     try:
         wait_for(settings, topics.trajectories, trajectories, args.timeout)
         time.sleep(2 * args.partitions)  # the last groups
-        cpu = cpu_seconds(worker.pid)
+        cpu = sum(cpu_seconds(worker.pid) for worker in started)
     finally:
-        worker.send_signal(signal.SIGTERM)
-        try:
-            worker.wait(60)
-        except subprocess.TimeoutExpired:
-            worker.kill()
+        for worker in started:
+            worker.send_signal(signal.SIGTERM)
+        for worker in started:
+            try:
+                worker.wait(60)
+            except subprocess.TimeoutExpired:
+                worker.kill()
     first = min(m.timestamp()[1] for m in read_topic(settings, topics.trajectories))
     scored = [m.timestamp()[1] for m in read_topic(settings, topics.scored)]
     seconds = (max(scored) - first) / 1000

@@ -172,7 +172,7 @@ def assert_every_id_accounted_for(run: PipelineRun, orphans: bool) -> list[Check
     returns the lineage of announced checkpoints."""
     t = run.topics
     stats = PipelineStats(t)  # the monitor's figures, folded from the same records
-    raw = {topic: list(read_topic(run.settings, topic, timeout=120)) for topic in (t.events, t.scored)}
+    raw = {topic: list(read_topic(run.settings, topic, timeout=120)) for topic in (t.events, t.scored, t.batches)}
     for topic, messages in raw.items():
         for m in messages:
             stats.observe(topic, m.timestamp()[1], m.value())
@@ -210,6 +210,8 @@ def assert_every_id_accounted_for(run: PipelineRun, orphans: bool) -> list[Check
         assert manifests.setdefault(m.batch_id, m) == m  # a republished manifest is the same manifest
     in_batches = Counter(tid for m in manifests.values() for tid in m.trajectory_ids)
     assert set(in_batches) == scored and max(in_batches.values()) == 1  # every scored trajectory in one batch
+    # the monitor's latency histogram: one EpisodeEnded -> batch observation per batched trajectory
+    assert stats.batch_latency.count == len(in_batches)
 
     store = ObjectStore(run.settings)
     announced = [e for e in checkpoint_store.published(run.settings, t) if e.run == run.ns]

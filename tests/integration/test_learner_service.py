@@ -76,13 +76,16 @@ def publish_batches(stack: Settings, store: ObjectStore, topics: Topics, n_batch
     return ids
 
 
-def run_learner(stack: Settings, ns: str, tmp: Path, fault: str | None, *extra: str) -> subprocess.CompletedProcess[str]:
+def run_learner(stack: Settings, ns: str, tmp: Path, fault: str | None, *extra: str,
+                launch: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """`python -m learner` on the small model; `launch`: torchrun's arguments, to run it as that job."""
     env = {**os.environ, **stack.as_env(), "PYTHONPATH": str(ROOT)}
     env.pop("TRAJPIPE_FAULT", None)
     if fault:
         env["TRAJPIPE_FAULT"] = fault
+    start = [sys.executable, "-m", "torch.distributed.run", *launch] if launch else [sys.executable]
     return subprocess.run(
-        [sys.executable, "-m", "learner", "--ns", ns, "--layers", "2", "--width", "64", "--updates-per-checkpoint",
+        [*start, "-m", "learner", "--ns", ns, "--layers", "2", "--width", "64", "--updates-per-checkpoint",
          "2", "--idle-exit", "4", "--cache-dir", str(tmp / "cache"), "--lr", "1e-3", *extra],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 

@@ -11,9 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from consumers.monitor import StatsCollector, dashboard
 from consumers.monitoring import PipelineStats, consumer_lag, sparkline, trajectory_version
 from infra.metrics import Welford
-from consumers.report import PLOTS, write_report
+from consumers.report import PLOTS, summary_markdown, write_report
 from schemas import codec
-from schemas.records import CheckpointPublished, DeadLetter, PipelineMetric
+from schemas.records import BatchManifest, CheckpointPublished, DeadLetter, PipelineMetric
 from schemas.topics import Topics
 from tests.taps import episode, trajectory, turn
 
@@ -164,7 +164,7 @@ def test_dashboard_and_report_render(tmp_path: Path) -> None:
     s = filled()
     s.set_consumer_lag(T0, {("mon.streams", TOPICS.events): 7})
     left, right = dashboard(s).columns[0]._cells[0], dashboard(s).columns[1]._cells[0]
-    assert len(left.renderables) + len(right.renderables) == 7
+    assert len(left.renderables) + len(right.renderables) == 8
     summary = write_report(s, tmp_path).read_text()
     for name in PLOTS:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -172,3 +172,39 @@ def test_dashboard_and_report_render(tmp_path: Path) -> None:
     assert "| bad_magic | 2 |" in summary and "| math | 3 | 0.5000 |" in summary
     write_report(PipelineStats(TOPICS), tmp_path / "empty")  # nothing yet: still every file
     assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == sorted([*PLOTS, "summary.md"])
+
+
+def manifest(batch: str, trajectory_ids: list[str]) -> bytes:
+    return codec.encode(BatchManifest(batch_id=batch, run="r", bucket="b", key="k", sha256="s", size=1,
+                                      num_trajectories=len(trajectory_ids), num_tokens=1, source_topic="x",
+                                      partition=0, first_offset=0, last_offset=1, policy_version_min=0,
+                                      policy_version_max=0, reward_mean=0.0, reward_std=0.0,
+                                      trajectory_ids=tuple(trajectory_ids), ts=T0))
+
+
+def test_latency_histograms_pair_each_episode_end_with_its_batch_in_either_order() -> None:
+    """EpisodeEnded -> batch: a manifest read before its trajectory (the monitor reads topics side by side)
+    pairs when the trajectory comes. Checkpoint -> generating: each worker's figure for a version once."""
+    s = PipelineStats(TOPICS)
+    early, late, later = (replace(trajectory(e), ended_ts=T0 + dt) for e, dt in (("a", 0), ("b", 1000), ("c", 1200)))
+    for t in (early, late):
+        s.observe(TOPICS.scored, T0 + 1100, codec.encode(t))
+    batch = manifest("batch-1", [t.trajectory_id for t in (early, late, later)])
+    s.observe(TOPICS.batches, T0 + 1500, batch)
+    s.observe(TOPICS.scored, T0 + 1600, codec.encode(later))  # scored record read after its batch
+    s.observe(TOPICS.batches, T0 + 1500, batch)  # a restarted shard writer's copy: no second observation
+    assert sorted(s.batch_latency.recent) == [0.3, 0.5, 1.5]
+    for producer, version, seconds in (("w0", 3, 0.8), ("w0", 3, 0.8), ("w1", 3, 2.5), ("w0", 4, 0.2)):
+        s.observe(TOPICS.metrics, T0, codec.encode(PipelineMetric(
+            source="rollout", name="rollout/checkpoint_latency_s", value=seconds,
+            labels={"producer": producer, "version": str(version)}, window_end=T0)))
+    assert sorted(s.checkpoint_latency.recent) == [0.2, 0.8, 2.5]
+    assert s.checkpoint_latency.quantile(0.5) == 0.8
+    assert "| episode ended -> in a batch | 3 | 0.50 | 1.50 |" in summary_markdown(s)
+
+    m = scrape(s)
+    assert m[("trajpipe_batch_latency_seconds_count", ())] == 3
+    assert abs(m[("trajpipe_batch_latency_seconds_sum", ())] - 2.3) < 1e-9
+    buckets = {dict(k[1])["le"]: v for k, v in m.items() if k[0] == "trajpipe_batch_latency_seconds_bucket"}
+    assert (buckets["0.25"], buckets["0.5"], buckets["1.0"], buckets["2.0"], buckets["+Inf"]) == (0, 2, 2, 3, 3)
+    assert m[("trajpipe_checkpoint_latency_seconds_count", ())] == 3
