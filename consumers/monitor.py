@@ -28,7 +28,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from consumers.monitoring import PipelineStats, consumer_lag, sparkline
+from consumers.monitoring import PipelineStats, consumer_lag, first_unread, sparkline
 from infra.kafka import admin, consumer
 from infra.settings import Settings, add_ns_argument
 from schemas.errors import PipelineError
@@ -49,8 +49,10 @@ def pipeline_topics(topics: Topics) -> list[str]:
             topics.checkpoints, topics.metrics, topics.task_stats]
 
 
-def group_lags(client: AdminClient, ns: str, timeout: float = 10.0) -> dict[tuple[str, str], int]:
-    """(group, topic) -> lag for every consumer group named after the namespace that committed on its topics."""
+def group_lags(client: AdminClient, ns: str, timeout: float = 10.0
+               ) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], dict[int, int]]]:
+    """For every consumer group named after the namespace that committed on its topics: (group, topic) -> lag,
+    and (group, topic) -> {partition: first uncommitted offset} where it lags."""
     listing = client.list_consumer_groups(request_timeout=timeout).result()
     groups = sorted(g.group_id for g in listing.valid if ns in g.group_id)
     committed: dict[str, dict[tuple[str, int], int]] = {}
@@ -62,8 +64,11 @@ def group_lags(client: AdminClient, ns: str, timeout: float = 10.0) -> dict[tupl
         if mine:
             committed[group] = mine
     ends = watermarks(client, {tp for offsets in committed.values() for tp in offsets}, timeout)
-    return {(group, topic): lag for group, offsets in committed.items()
+    lags = {(group, topic): lag for group, offsets in committed.items()
             for topic, lag in consumer_lag(offsets, ends).items()}
+    unread = {(group, topic): positions for group, offsets in committed.items()
+              for topic, positions in first_unread(offsets, ends).items()}
+    return lags, unread
 
 
 def watermarks(client: AdminClient, partitions: set[tuple[str, int]],
@@ -123,6 +128,12 @@ class StatsCollector(Collector):
                      "task (an outcome/* component of 1)", ["domain"], ((d, w.mean) for d, w in s.success.items()))
         yield family(GaugeMetricFamily, "trajpipe_consumer_lag", "Records a group has not committed yet",
                      ["group", "topic"], s.consumer_lags.items())
+        yield family(GaugeMetricFamily, "trajpipe_queue_oldest_unread_timestamp_seconds", "Broker time of the "
+                     "oldest record a group has not committed (only where it lags)", ["group", "topic"],
+                     ((k, ms / 1000) for k, ms in s.oldest_unread.items()))
+        yield family(GaugeMetricFamily, "trajpipe_queue_age_seconds", "How long the oldest record a group has not "
+                     "committed has waited (only where it lags): the autoscaling signal of a stage",
+                     ["group", "topic"], ((k, max(0.0, time.time() - ms / 1000)) for k, ms in s.oldest_unread.items()))
         yield family(GaugeMetricFamily, "trajpipe_policy_version", "Newest policy version seen", ["source"],
                      [("checkpoint", s.newest_checkpoint), ("trajectory", s.newest_trajectory_version)])
         mean, worst = s.policy_lag()
@@ -150,9 +161,10 @@ def dashboard(s: PipelineStats) -> Table:
     flow = Table("topic", "records", "rec/s", title=f"throughput of {s.topics.ns}")
     for topic in sorted(s.events_total):
         flow.add_row(topic[short:], f"{s.events_total[topic]:,}", f"{rates.get(topic, 0.0):,.1f}")
-    lag = Table("group", "topic", "lag", title="consumer lag")
+    lag = Table("group", "topic", "lag", "age s", title="consumer lag")
     for (group, topic), n in sorted(s.consumer_lags.items()):
-        lag.add_row(group, topic[short:], f"{n:,}")
+        oldest = s.oldest_unread.get((group, topic))
+        lag.add_row(group, topic[short:], f"{n:,}", "-" if oldest is None else f"{max(0, now_ms() - oldest) / 1000:.1f}")
     reward = Table("domain", "n", "mean", "std", "success", "trend", title="reward")
     for domain, w in sorted(s.reward.items()):
         solved = s.success.get(domain)
@@ -216,17 +228,17 @@ class Monitor:
                 if msg.error():
                     log.warning("consume error: %s", msg.error())
                     continue
-                self.stats.observe(msg.topic() or "", msg.timestamp()[1], msg.value())
+                self.stats.observe(msg.topic() or "", msg.timestamp()[1], msg.value(), msg.partition(), msg.offset())
         return len(msgs)
 
     def refresh_lag(self) -> None:
         try:
-            lags = group_lags(self.admin, self.topics.ns)
+            lags, unread = group_lags(self.admin, self.topics.ns)
         except KafkaException as exc:
             log.warning("consumer lag unavailable: %s", exc)
             return
         with self.lock:
-            self.stats.set_consumer_lag(now_ms(), lags)
+            self.stats.set_consumer_lag(now_ms(), lags, unread)
 
     def commit(self) -> None:
         try:

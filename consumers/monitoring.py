@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+from array import array
+from bisect import bisect_left
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional
@@ -35,6 +37,7 @@ LOSS_PREFIX = "loss/"
 CHECKPOINT_LATENCY = "rollout/checkpoint_latency_s"  # a rollout worker's: announcement -> generating with it
 LATENCY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 KEEP_LATENCIES = 10_000  # recent observations the quantiles are read from
+KEEP_RECORD_TIMES = 200_000  # per partition: offsets whose broker time the queue age can look up
 
 
 def bucket_of(ms: int, bucket_ms: int = BUCKET_MS) -> int:
@@ -56,6 +59,41 @@ def consumer_lag(committed: dict[tuple[str, int], int], ends: dict[tuple[str, in
         position = offset if offset >= 0 else low  # no commit yet: everything still there is unread
         lag[topic] = lag.get(topic, 0) + max(0, high - max(position, low))
     return lag
+
+
+def first_unread(committed: dict[tuple[str, int], int],
+                 ends: dict[tuple[str, int], tuple[int, int]]) -> dict[str, dict[int, int]]:
+    """Of one group, per topic: the first offset it has not committed of each partition it lags on."""
+    out: dict[str, dict[int, int]] = {}
+    for (topic, partition), offset in committed.items():
+        if (topic, partition) in ends:
+            low, high = ends[(topic, partition)]
+            position = max(offset if offset >= 0 else low, low)
+            if position < high:
+                out.setdefault(topic, {})[partition] = position
+    return out
+
+
+class RecordTimes:
+    """The broker time of the records of one partition read lately, by offset (bounded: the oldest go)."""
+
+    def __init__(self, size: int = KEEP_RECORD_TIMES) -> None:
+        self.size = size
+        self.offsets, self.times = array("q"), array("q")
+
+    def add(self, offset: int, ts: int) -> None:
+        if self.offsets and offset <= self.offsets[-1]:
+            return  # read again (a re-assignment): already known
+        self.offsets.append(offset)
+        self.times.append(ts)
+        if len(self.offsets) > self.size:
+            del self.offsets[:self.size // 2], self.times[:self.size // 2]
+
+    def at(self, offset: int) -> Optional[int]:
+        """The time of the record at `offset` (or the next one there is: compaction leaves gaps); the oldest kept
+        for an offset older than all of them; None when it has not been read yet."""
+        i = bisect_left(self.offsets, offset)
+        return self.times[i] if i < len(self.offsets) else None
 
 
 class Recent:
@@ -136,6 +174,9 @@ class PipelineStats:
     service_latest: dict[tuple[str, str, str], float] = field(default_factory=dict)
     service_sum: dict[tuple[str, str, str], float] = field(default_factory=dict)
     resent: Counter[str] = field(default_factory=Counter)  # topic -> records counted once already (by id)
+    record_times: dict[tuple[str, int], RecordTimes] = field(default_factory=dict)  # (topic, partition) ->
+    # (group, topic) -> broker time (ms) of the oldest record the group has not committed: the queue's age
+    oldest_unread: dict[tuple[str, str], int] = field(default_factory=dict)
     seen_ids: dict[str, Recent] = field(default_factory=dict)  # topic ->
     # An episode's EpisodeEnded (the trajectory's ended_ts) -> the batch manifest holding it (broker time):
     # when its trajectory is readable by the learner. Whichever record comes second completes the pair.
@@ -155,9 +196,13 @@ class PipelineStats:
             t.metrics: (PipelineMetric, self._on_metric),
         }
 
-    def observe(self, topic: str, timestamp_ms: int, value: Optional[bytes]) -> None:
-        """Count one record of `topic`, and fold its content when the topic carries figures."""
+    def observe(self, topic: str, timestamp_ms: int, value: Optional[bytes], partition: Optional[int] = None,
+                offset: Optional[int] = None) -> None:
+        """Count one record of `topic`, and fold its content when the topic carries figures; with its
+        partition and offset, its time is kept for the queue age."""
         self.events_total[topic] += 1
+        if partition is not None and offset is not None:
+            self.record_times.setdefault((topic, partition), RecordTimes()).add(offset, timestamp_ms)
         per_bucket = self.throughput.setdefault(topic, {})
         b = bucket_of(timestamp_ms, self.bucket_ms)
         per_bucket[b] = per_bucket.get(b, 0) + 1
@@ -239,8 +284,18 @@ class PipelineStats:
             points.append((m.window_end or ts, m.value))
             del points[:-KEEP_POINTS]
 
-    def set_consumer_lag(self, now_ms: int, lags: dict[tuple[str, str], int]) -> None:
+    def set_consumer_lag(self, now_ms: int, lags: dict[tuple[str, str], int],
+                         unread: Optional[dict[tuple[str, str], dict[int, int]]] = None) -> None:
+        """Each group's lag per topic; `unread`: per (group, topic), the first uncommitted offset of each
+        partition it lags on, whose record time (when read) gives the queue's age."""
         self.consumer_lags = dict(lags)
+        self.oldest_unread = {}
+        for key, positions in (unread or {}).items():
+            times = [self.record_times[(key[1], p)].at(o) for p, o in positions.items()
+                     if (key[1], p) in self.record_times]
+            known = [t for t in times if t is not None]
+            if known:
+                self.oldest_unread[key] = min(known)
         totals: dict[str, int] = {}
         for (group, _topic), lag in lags.items():
             totals[group] = totals.get(group, 0) + lag

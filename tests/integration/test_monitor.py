@@ -90,6 +90,9 @@ def expected(stack: Settings, topics: Topics, group: str, offset: int) -> Sample
             outcomes.update(b.outcome for b in bodies if isinstance(b, SandboxResult))
             per_partition = Counter(m.partition() for m in msgs)
             ends = [per_partition[p] for p in range(topics.partitions)]
+            unread = [m.timestamp()[1] for m in msgs if m.offset() == offset]  # the group's first uncommitted
+            out[("trajpipe_queue_oldest_unread_timestamp_seconds", (("group", group), ("topic", topics.events)))] = \
+                min(unread) / 1000
         if topic == topics.deadletter:
             for reason, n in Counter(codec.decode(m.value(), DeadLetter).reason for m in msgs).items():
                 out[("trajpipe_deadletter_total", (("reason", reason),))] = n

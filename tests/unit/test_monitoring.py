@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from consumers.monitor import StatsCollector, dashboard
-from consumers.monitoring import PipelineStats, consumer_lag, sparkline, trajectory_version
+from consumers.monitoring import PipelineStats, consumer_lag, first_unread, sparkline, trajectory_version
 from infra.metrics import Welford
 from consumers.report import PLOTS, summary_markdown, write_report
 from schemas import codec
@@ -208,3 +208,25 @@ def test_latency_histograms_pair_each_episode_end_with_its_batch_in_either_order
     buckets = {dict(k[1])["le"]: v for k, v in m.items() if k[0] == "trajpipe_batch_latency_seconds_bucket"}
     assert (buckets["0.25"], buckets["0.5"], buckets["1.0"], buckets["2.0"], buckets["+Inf"]) == (0, 2, 2, 3, 3)
     assert m[("trajpipe_checkpoint_latency_seconds_count", ())] == 3
+
+
+def test_queue_age_is_the_time_of_the_oldest_record_a_group_has_not_committed() -> None:
+    s = PipelineStats(TOPICS)
+    for offset in range(10):  # partition 0: one record a second; partition 1 holds offsets 0, 2, 4 (compacted)
+        s.observe(TOPICS.events, T0 + 1000 * offset, None, partition=0, offset=offset)
+    for offset in (0, 2, 4):
+        s.observe(TOPICS.events, T0 + 500 * offset, None, partition=1, offset=offset)
+    committed = {(TOPICS.events, 0): 7, (TOPICS.events, 1): 3, (TOPICS.scored, 0): 5}
+    ends = {(TOPICS.events, 0): (0, 10), (TOPICS.events, 1): (0, 5), (TOPICS.scored, 0): (0, 5)}
+    unread = {("g", topic): positions for topic, positions in first_unread(committed, ends).items()}
+    assert unread == {("g", TOPICS.events): {0: 7, 1: 3}}  # caught up on scored: no age there
+    lags = {("g", topic): n for topic, n in consumer_lag(committed, ends).items()}
+    s.set_consumer_lag(T0 + 20_000, lags, unread)
+    assert s.oldest_unread == {("g", TOPICS.events): T0 + 2000}  # partition 1's offset 3 is gone: offset 4's time
+    s.set_consumer_lag(T0 + 20_000, {("g", TOPICS.events): 1}, {("g", TOPICS.events): {0: 12}})
+    assert s.oldest_unread == {}  # not read by the monitor yet: unknown, not guessed
+    s.set_consumer_lag(T0, lags, unread)
+    m = scrape(s)
+    assert m[("trajpipe_queue_oldest_unread_timestamp_seconds", (("group", "g"), ("topic", TOPICS.events)))] == \
+        (T0 + 2000) / 1000
+    assert m[("trajpipe_queue_age_seconds", (("group", "g"), ("topic", TOPICS.events)))] > 0

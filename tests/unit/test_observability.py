@@ -20,7 +20,9 @@ def exported() -> dict[str, set[str]]:
     s = filled()
     for name, seconds in (("time/wait_data_s", 3.0), ("time/compute_s", 9.0)):  # as the learner publishes them
         s.observe(TOPICS.metrics, T0, metric(name, seconds))
-    s.set_consumer_lag(T0, {("g", TOPICS.events): 5})
+    s.observe(TOPICS.events, T0, None, partition=0, offset=0)
+    s.set_consumer_lag(T0, {("g", TOPICS.events): 5}, {("g", TOPICS.events): {0: 0}})
+    s.observe(TOPICS.metrics, T0, metric("rollout/checkpoint_latency_s", 0.5, source="rollout"))
     found: dict[str, set[str]] = {}
     for (name, labels) in scrape(s):
         found.setdefault(name, set()).update(k for k, _ in labels)
@@ -52,7 +54,7 @@ def test_every_alert_and_panel_asks_for_series_the_monitor_exports_with_their_la
 def test_the_alerts_cover_what_an_operator_acts_on_and_the_files_are_mounted() -> None:
     alerts = yaml.safe_load((INFRA / "prometheus" / "alerts.yml").read_text())
     names = {rule["alert"] for group in alerts["groups"] for rule in group["rules"]}
-    assert {"StageStalled", "ConsumerLagGrowing", "LearnerStarvedOfData", "DeadLetterSpike"} <= names
+    assert {"StageStalled", "ConsumerLagGrowing", "QueueAging", "LearnerStarvedOfData", "DeadLetterSpike"} <= names
     for group in alerts["groups"]:
         for rule in group["rules"]:
             assert rule["for"] and rule["labels"]["severity"] in ("warning", "critical") and rule["annotations"]["summary"]
