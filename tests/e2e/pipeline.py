@@ -172,7 +172,7 @@ def assert_every_id_accounted_for(run: PipelineRun, orphans: bool) -> list[Check
     returns the lineage of announced checkpoints."""
     t = run.topics
     stats = PipelineStats(t)  # the monitor's figures, folded from the same records
-    raw = {topic: list(read_topic(run.settings, topic, timeout=120)) for topic in (t.events, t.scored, t.batches)}
+    raw = {topic: list(read_topic(run.settings, topic, timeout=120)) for topic in (t.events, t.scored, t.batches, t.metrics)}
     for topic, messages in raw.items():
         for m in messages:
             stats.observe(topic, m.timestamp()[1], m.value())
@@ -212,6 +212,7 @@ def assert_every_id_accounted_for(run: PipelineRun, orphans: bool) -> list[Check
     assert set(in_batches) == scored and max(in_batches.values()) == 1  # every scored trajectory in one batch
     # the monitor's latency histogram: one EpisodeEnded -> batch observation per batched trajectory
     assert stats.batch_latency.count == len(in_batches)
+    assert stats.checkpoint_latency.count > 0, "no rollout worker reported generating with an announced checkpoint"
 
     store = ObjectStore(run.settings)
     announced = [e for e in checkpoint_store.published(run.settings, t) if e.run == run.ns]
