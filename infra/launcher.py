@@ -41,6 +41,7 @@ from schemas.errors import InfraError
 KAFKA_VERSION = "4.1.1"
 MINIO_VERSION = "v0.0.0-20260212201848-7aac2a2c5b7c"
 COMPOSE_VERSION = "v5.6.0"  # github.com/docker/compose/v5: validates infra/docker-compose.yml with no engine
+PROMTOOL_VERSION = "v0.316.0"  # github.com/prometheus/prometheus (Prometheus 3.x): checks and tests the alert rules
 HERE = Path(__file__).with_name("local")
 BROKERS_VAR = "TRAJPIPE_KAFKA_BROKERS"
 MAX_REPLICATION = 3
@@ -223,10 +224,28 @@ class Launcher:
             raise InfraError(f"building docker-compose {COMPOSE_VERSION} failed: {proc.stderr[-3000:]}")
         return binary
 
+    def promtool_binary(self) -> Path:
+        """Prometheus's `promtool`, built once from its Go module: `check rules` and `test rules` run the
+        alerting rules of infra/prometheus against series written in infra/prometheus/alerts_test.yml."""
+        binary = self.root / "promtool" / PROMTOOL_VERSION / "promtool"
+        if binary.exists():
+            return binary
+        go = _need("go", "install Go 1.26 (see `python -m infra doctor`)")
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        print(f"building promtool {PROMTOOL_VERSION} with `go install` into {binary.parent} (once, a few minutes)",
+              file=sys.stderr, flush=True)
+        env = {**os.environ, "GOBIN": str(binary.parent), "CGO_ENABLED": "0"}
+        proc = subprocess.run([go, "install", f"github.com/prometheus/prometheus/cmd/promtool@{PROMTOOL_VERSION}"],
+                              capture_output=True, text=True, env=env)
+        if proc.returncode != 0 or not binary.exists():
+            raise InfraError(f"`go install .../cmd/promtool@{PROMTOOL_VERSION}` failed: {proc.stderr[-3000:]}")
+        return binary
+
     def fetch(self) -> None:
         self.kafka_libs()
         self.minio_binary()
         self.compose_binary()
+        self.promtool_binary()
 
     # ---- start ---------------------------------------------------------------------------------
     def _check_port_free(self, server: Server, *extra: int) -> None:

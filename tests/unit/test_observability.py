@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import yaml
 
+from infra.launcher import PROMTOOL_VERSION, Launcher
 from tests.unit.test_monitoring import T0, TOPICS, filled, metric, scrape
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,3 +72,20 @@ def test_the_alerts_cover_what_an_operator_acts_on_and_the_files_are_mounted() -
     datasource = yaml.safe_load((INFRA / "grafana/provisioning/datasources/prometheus.yml").read_text())
     dashboard = json.loads((INFRA / "grafana" / "dashboards" / "trajpipe.json").read_text())
     assert all(p["datasource"]["uid"] == datasource["datasources"][0]["uid"] for p in dashboard["panels"])
+
+
+def test_promtool_checks_the_rules_and_each_alert_fires_on_its_series_and_not_on_a_healthy_one() -> None:
+    """Prometheus's own promtool (built from its Go module by `python -m infra fetch`, as CI does) parses the
+    rules and evaluates alerts_test.yml: the series that should wake an operator, and healthy ones."""
+    promtool = Launcher().root / "promtool" / PROMTOOL_VERSION / "promtool"
+    assert promtool.exists(), "no promtool: run `python -m infra fetch`"
+    rules = INFRA / "prometheus" / "alerts.yml"
+    check = subprocess.run([str(promtool), "check", "rules", str(rules)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    tested = subprocess.run([str(promtool), "test", "rules", str(INFRA / "prometheus" / "alerts_test.yml")],
+                            capture_output=True, text=True)
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+    alerts = yaml.safe_load(rules.read_text())
+    covered = {case["alertname"] for test in yaml.safe_load((INFRA / "prometheus" / "alerts_test.yml").read_text())["tests"]
+               for case in test["alert_rule_test"]}
+    assert covered == {rule["alert"] for group in alerts["groups"] for rule in group["rules"]}
