@@ -5,15 +5,19 @@ call format schemas/toolcalls.py).
     source = TerminalSource(seed=0)        # task i: family, repository, tests, the fixing write
     python -m producers --ns NS --sources terminal --max-turns 8
 
-Two seeded families, interleaved by index:
+Three seeded families, interleaved by index:
 - humaneval-bug: a HumanEval problem's canonical solution in `<module>.py` with one injected bug (a
   comparison, an arithmetic operator, an off-by-one or a boolean flipped, chosen by the seed), a unittest
   file the policy can run, and a README; the verdict is HumanEval's own check() in the judged harness.
 - import-fix: a two-module program (`app.py` using a helper module) broken the way dependencies break:
   it imports a module or a function by a name that does not exist, or reads a config key the config
   file spells differently; the fix is one write.
+- humaneval-split: a HumanEval solution split over two files with a bug in each: `<module>_core.py` holds
+  the implementation with an injected bug, `<module>.py` the public function that imports it by a wrong
+  name. Fixing one file is not enough; the demonstration is one `run` call that rewrites both (shell
+  here-documents), as a terminal user would.
 The task spec carries the repository, the module and entry point, the tests, and the number of steps;
-the demonstration is the fixing write_file call.
+the demonstration is the fixing call.
 """
 from __future__ import annotations
 
@@ -23,10 +27,12 @@ import re
 from typing import Any, Optional
 
 from producers.tasks.task import Task
+from schemas.errors import ConfigError
 from schemas.tasks import make_spec
 from schemas.toolcalls import ToolCall
 
 MAX_STEPS = 8
+FAMILIES = ("humaneval-bug", "import-fix", "humaneval-split")
 SYSTEM = ("You work in a Python repository through tools. Answer each turn with one JSON tool call "
           '{"name": ..., "arguments": {...}}. Tools: run(command), read_file(path), write_file(path, content), '
           "run_tests(), submit(). Make the tests pass, then submit.")
@@ -55,10 +61,13 @@ class TerminalSource:
     name = "terminal"
     domain = "terminal"
 
-    def __init__(self, seed: int = 0, max_steps: int = MAX_STEPS, families: tuple[str, ...] = ("humaneval-bug", "import-fix")) -> None:
+    def __init__(self, seed: int = 0, max_steps: int = MAX_STEPS, families: tuple[str, ...] = FAMILIES) -> None:
+        unknown = set(families) - set(FAMILIES)
+        if not families or unknown:
+            raise ConfigError(f"terminal families {sorted(unknown) or '()'}: choose from {', '.join(FAMILIES)}")
         self.seed, self.max_steps, self.families = seed, max_steps, families
-        self._problems = _humaneval() if "humaneval-bug" in families else []
-        self.size = 2 * len(self._problems) if self._problems else 1000
+        self._problems = _humaneval() if {"humaneval-bug", "humaneval-split"} & set(families) else []
+        self.size = len(families) * len(self._problems) if self._problems else 1000
 
     def __len__(self) -> int:
         return self.size
@@ -68,21 +77,22 @@ class TerminalSource:
             raise IndexError(f"terminal task index {index} out of range 0..{self.size - 1}")
         family = self.families[index % len(self.families)]
         rng = random.Random(f"terminal/{self.seed}/{index}")
-        made = self._humaneval_bug(index // len(self.families), rng) if family == "humaneval-bug" \
-            else self._import_fix(rng)
+        problem = index // len(self.families)
+        made = (self._humaneval_bug(problem, rng) if family == "humaneval-bug" else
+                self._humaneval_split(problem, rng) if family == "humaneval-split" else self._import_fix(rng))
         if made is None:  # no mutation applies to this solution: the other family instead
             made = self._import_fix(rng)
             family = "import-fix"
-        files, fixed_path, fixed, module, entry_point, tests = made
+        files, fixed, module, entry_point, tests = made
         spec = make_spec("terminal", files=files, module=module, entry_point=entry_point, tests=tests,
                          max_steps=self.max_steps, family=family)
         task_id = f"terminal/{family}/{self.seed}/{index}"
         prompt = f"{SYSTEM}\nRepository files: {', '.join(sorted(files))}.\n{files['README.md']}"
-        fix = ToolCall("write_file", {"path": fixed_path, "content": fixed}).text()
         return Task(task_id=task_id, domain="terminal", prompt=prompt, spec=spec, max_turns=self.max_steps,
-                    demonstration=fix)
+                    demonstration=fixing_call(fixed).text())
 
-    def _humaneval_bug(self, i: int, rng: random.Random) -> Optional[tuple[dict[str, str], str, str, str, str, str]]:
+    def _mutant(self, i: int, rng: random.Random) -> Optional[tuple[dict[str, Any], str, str]]:
+        """(problem, correct solution, solution with one injected bug), or None when no mutation applies."""
         problem = self._problems[i % len(self._problems)]
         body = problem["canonical_solution"]
         sites = [(m.start(), m.end(), repl) for pattern, repl in MUTATIONS for m in re.finditer(pattern, body)
@@ -90,19 +100,42 @@ class TerminalSource:
         if not sites:
             return None
         start, end, repl = rng.choice(sites)
+        return problem, problem["prompt"] + body, problem["prompt"] + body[:start] + repl + body[end:]
+
+    def _humaneval_bug(self, i: int, rng: random.Random) -> Optional[Made]:
+        mutant = self._mutant(i, rng)
+        if mutant is None:
+            return None
+        problem, correct, buggy = mutant
         module, entry = f"solution_{i}", problem["entry_point"]
-        correct = problem["prompt"] + body
-        buggy = problem["prompt"] + body[:start] + repl + body[end:]
         files = {
             f"{module}.py": buggy,
-            f"test_{module}.py": (f"import unittest\nfrom {module} import {entry}\n\n{problem['test']}\n\n"
-                                  f"class Test(unittest.TestCase):\n    def test_{entry}(self):\n"
-                                  f"        check({entry})\n\n\nif __name__ == '__main__':\n    unittest.main()\n"),
+            f"test_{module}.py": _unittest(module, entry, problem["test"]),
             "README.md": f"`{entry}` in {module}.py has a bug: `python3 -m unittest test_{module}` fails. Fix it.",
         }
-        return files, f"{module}.py", correct, module, entry, problem["test"]
+        return files, {f"{module}.py": correct}, module, entry, problem["test"]
 
-    def _import_fix(self, rng: random.Random) -> tuple[dict[str, str], str, str, str, str, str]:
+    def _humaneval_split(self, i: int, rng: random.Random) -> Optional[Made]:
+        mutant = self._mutant(i, rng)
+        if mutant is None:
+            return None
+        problem, correct, buggy = mutant
+        module, entry = f"solution_{i}", problem["entry_point"]
+        core = f"{module}_core"
+        wrong = rng.choice([f"{module}_impl", f"{core}s", f"{module}.core"])
+        facade = (f'"""The public entry point; the implementation lives in {core}.py."""\n'
+                  f"from {{source}} import {entry} as _{entry}\n\n\n"
+                  f"def {entry}(*args, **kwargs):\n    return _{entry}(*args, **kwargs)\n")
+        files = {
+            f"{module}.py": facade.format(source=wrong),
+            f"{core}.py": buggy,
+            f"test_{module}.py": _unittest(module, entry, problem["test"]),
+            "README.md": (f"`{entry}` (in {module}.py, implemented in {core}.py) is broken: "
+                          f"`python3 -m unittest test_{module}` fails. Fix it."),
+        }
+        return files, {f"{module}.py": facade.format(source=core), f"{core}.py": correct}, module, entry, problem["test"]
+
+    def _import_fix(self, rng: random.Random) -> Made:
         module, function, code, args, result = rng.choice(HELPERS)
         kind = rng.choice(["module", "function", "config"])
         sep = rng.choice(["-", "_", "/"])
@@ -122,7 +155,30 @@ class TerminalSource:
                                  "\n\nif __name__ == '__main__':\n    unittest.main()\n"),
                  "README.md": "`python3 app.py` should print main()'s result but `python3 -m unittest test_app` "
                               "fails. Fix app.py."}
-        return files, "app.py", app, "app", "main", tests
+        return files, {"app.py": app}, "app", "main", tests
+
+
+Made = tuple[dict[str, str], dict[str, str], str, str, str]  # files, the fixed files, module, entry point, tests
+
+
+def _unittest(module: str, entry: str, test: str) -> str:
+    return (f"import unittest\nfrom {module} import {entry}\n\n{test}\n\n"
+            f"class Test(unittest.TestCase):\n    def test_{entry}(self):\n"
+            f"        check({entry})\n\n\nif __name__ == '__main__':\n    unittest.main()\n")
+
+
+def fixing_call(fixed: dict[str, str]) -> ToolCall:
+    """One file: its write_file. Several: one `run` of shell here-documents that rewrites each."""
+    if len(fixed) == 1:
+        (path, content), = fixed.items()
+        return ToolCall("write_file", {"path": path, "content": content})
+    parts = []
+    for path, content in sorted(fixed.items()):
+        marker = "END_OF_FILE"
+        while marker in content:
+            marker += "_"
+        parts.append(f"cat > {path} <<'{marker}'\n{content.rstrip(chr(10))}\n{marker}")
+    return ToolCall("run", {"command": "\n".join(parts)})
 
 
 def _in_string(code: str, at: int) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 import tempfile
 from typing import Any, Sequence
 
@@ -11,7 +12,7 @@ import pytest
 
 from producers.episodes import EpisodeRunner
 from producers.policy.interface import Generation, Prompts, Sampling, Tokenizer
-from producers.sandbox.tools import Toolbox
+from producers.sandbox.tools import Toolbox, ToolResult
 from producers.sandbox_runner import SandboxCodeRunner
 from producers.settings import WorkerSettings
 from producers.tasks import load_source
@@ -106,6 +107,40 @@ def test_a_scripted_fix_earns_the_full_reward_and_every_call_is_a_fact_in_the_lo
     assert scored["penalty/steps"] == pytest.approx(3 / 6)
 
 
+def split_task_whose_implementation_bug_breaks_its_tests() -> tuple[Task, ToolResult]:
+    """A humaneval-split task, and its repository with only the import repaired, still failing its tests."""
+    source, box = TerminalSource(seed=0, families=("humaneval-split",)), Toolbox("bwrap")
+    for i in range(20):
+        task = source[i]
+        if task.spec["family"] != "humaneval-split":
+            continue
+        module = task.spec["module"]
+        facade = re.sub(r"from \S+ import", f"from {module}_core import", task.spec["files"][f"{module}.py"])
+        half = box.call(task.spec["files"], ToolCall("write_file", {"path": f"{module}.py", "content": facade}),
+                        task.spec)
+        tested = box.call(half.files, ToolCall("run_tests"), task.spec)
+        if tested.outcome != "passed":
+            return task, tested
+    raise AssertionError("no humaneval-split task of the first 20 has a bug that breaks its tests")
+
+
+def test_a_bug_spread_over_two_files_needs_both_fixed_and_the_demonstration_fixes_both() -> None:
+    task, half_fixed = split_task_whose_implementation_bug_breaks_its_tests()
+    module, files = task.spec["module"], task.spec["files"]
+    assert {f"{module}.py", f"{module}_core.py", f"test_{module}.py", "README.md"} == set(files)
+    broken = Toolbox("bwrap").call(files, ToolCall("run_tests"), task.spec)
+    assert "ModuleNotFoundError" in broken.observation and "ModuleNotFoundError" not in half_fixed.observation
+    demo = parse_call(task.demonstration or "")
+    assert demo.name == "run" and f"cat > {module}_core.py" in demo.arguments["command"]
+    assert f"cat > {module}.py" in demo.arguments["command"]
+    trajectory, events = play(task, [task.demonstration or "", call("submit")])
+    results = [e.body for e in events if isinstance(e.body, SandboxResult)]
+    assert [r.outcome for r in results] == ["passed", "passed"], [r.stderr[-300:] for r in results]
+    assert results[-1].tests_passed == results[-1].tests_total > 0
+    scored = V1(trajectory).components
+    assert scored["outcome/tests_passed"] == 1.0 and scored["process/commands_ok"] == 1.0
+
+
 def test_a_wrong_fix_and_a_policy_that_never_submits_score_no_outcome() -> None:
     task = buggy_humaneval_task()
     module = f"{task.spec['module']}.py"
@@ -167,7 +202,7 @@ def test_a_turn_that_is_no_valid_tool_call_is_refused_with_a_reason(text: str, n
 
 def test_terminal_tasks_are_reproducible_and_their_demonstration_fixes_them() -> None:
     source = load_source("terminal", seed=5)
-    assert isinstance(source, TerminalSource) and len(source) == 328 and source[3] == TerminalSource(seed=5)[3]
+    assert isinstance(source, TerminalSource) and len(source) == 3 * 164 and source[3] == TerminalSource(seed=5)[3]
     box, families, broken = Toolbox("bwrap"), set(), 0
     for i in range(0, 40, 5):
         task = source[i]
@@ -178,4 +213,4 @@ def test_terminal_tasks_are_reproducible_and_their_demonstration_fixes_them() ->
         fix = parse_call(task.demonstration or "")
         fixed = box.call(spec["files"], fix, spec)
         assert box.call(fixed.files, ToolCall("submit"), spec).outcome == "passed", task.task_id
-    assert families == {"humaneval-bug", "import-fix"} and broken >= 6
+    assert families == {"humaneval-bug", "import-fix", "humaneval-split"} and broken >= 6
