@@ -140,6 +140,14 @@ class PolicyHolder:
                 print(f"switching to {algorithm} after {self.updates} updates", file=sys.stderr, flush=True)
 
 
+    def warm_lr(self) -> None:
+        """The next update's learning rate: the phase's, raised linearly over the run's first --warmup-updates
+        (from the update count, so a resumed or a follower rank sets the same)."""
+        if self.s.warmup_updates:
+            share = min(1.0, (self.updates + 1) / self.s.warmup_updates)
+            self.trainer.set_lr(self.trainer.config.lr * share)
+
+
 class Follower(PolicyHolder):
     """A rank other than 0 under torchrun: starts from the version rank 0 resumed at (loaded and verified from
     the store), then trains its share of every batch rank 0 sends, until rank 0 says stop."""
@@ -159,6 +167,7 @@ class Follower(PolicyHolder):
                 continue
             self.version, self.updates = version, updates
             self.maybe_switch_phase()
+            self.warm_lr()
             trajectories = [codec.decode(record, Trajectory) for record in unpack(payload)]
             self.trainer.step(trajectories, current_version=version)
             fault_point("mid_update")
@@ -269,6 +278,7 @@ class LearnerService(PolicyHolder):
 
     def update(self, batches: list[LoadedBatch]) -> dict[str, float]:
         self.maybe_switch_phase()
+        self.warm_lr()
         started = time.monotonic()
         trajectories = [t for batch in batches for t in batch.trajectories]
         self.world.send(TRAIN, self.version, self.updates, pack([codec.encode(t) for t in trajectories]))

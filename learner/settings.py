@@ -21,6 +21,7 @@ class LearnerSettings:
     sft_updates: int = 0  # warm start: this many SFT updates before `algorithm`
     lr: float = 1e-4
     sft_lr: float | None = None  # learning rate of the SFT warm start (None: lr)
+    warmup_updates: int = 0  # linear learning-rate warmup over the run's first N updates
     updates_per_checkpoint: int = 2
     sft_updates_per_checkpoint: int | None = None  # during the SFT phase (None: updates_per_checkpoint)
     rl_batches_per_update: int = 1  # shards merged into one policy-gradient update
@@ -71,6 +72,7 @@ class LearnerSettings:
             (self.algorithm in ("grpo", "ppo", "sft", "dpo"), f"--algorithm {self.algorithm!r}: grpo, ppo, sft or dpo"),
             (self.lr > 0, "--lr must be > 0"),
             (self.sft_lr is None or self.sft_lr > 0, "--sft-lr must be > 0 (or omit it to use --lr)"),
+            (self.warmup_updates >= 0, "--warmup-updates must be >= 0"),
             (self.dual_clip is None or self.dual_clip > 1, "--dual-clip must be > 1 (e.g. 3), or 0 to turn it off"),
             (self.reference_version >= 0, "--reference-version must be >= 0"),
             (self.keep_last == 0 or self.keep_last >= 2, "--keep-last must be 0 (keep every version) or >= 2: a "
@@ -120,6 +122,9 @@ def parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
     p.add_argument("--sft-updates", type=int, default=0, help="SFT warm-start updates before --algorithm")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--sft-lr", type=float, default=None, help="learning rate of the SFT warm start (default: --lr)")
+    p.add_argument("--warmup-updates", type=int, default=0, metavar="N",
+                   help="raise the learning rate linearly over the run's first N updates (a fresh Adam's first steps "
+                        "move every weight by about the learning rate)")
     p.add_argument("--updates-per-checkpoint", type=int, default=2)
     p.add_argument("--rl-batches-per-update", type=int, default=1,
                    help="shards merged into one GRPO/PPO/DPO update (a less noisy policy gradient)")
@@ -202,6 +207,7 @@ def from_args(argv: list[str] | None = None, env: Optional[Mapping[str, str]] = 
         raise ConfigError("--ns is required (or set TRAJPIPE_NS)")
     return LearnerSettings(
         ns=a.ns, algorithm=a.algorithm, sft_updates=a.sft_updates, lr=a.lr, sft_lr=a.sft_lr,
+        warmup_updates=a.warmup_updates,
         updates_per_checkpoint=a.updates_per_checkpoint, sft_updates_per_checkpoint=a.sft_updates_per_checkpoint,
         rl_batches_per_update=a.rl_batches_per_update,
         max_updates=a.max_updates, idle_exit_s=a.idle_exit,
@@ -228,6 +234,8 @@ def shaping_args(s: LearnerSettings) -> list[str]:
             "--max-len", str(s.max_len), "--seed", str(s.seed)]
     if s.sft_lr is not None:
         args += ["--sft-lr", repr(s.sft_lr)]
+    if s.warmup_updates:
+        args += ["--warmup-updates", str(s.warmup_updates)]
     if s.sft_updates_per_checkpoint is not None:
         args += ["--sft-updates-per-checkpoint", str(s.sft_updates_per_checkpoint)]
     args += ["--model", s.model_dir] if s.model_dir else ["--layers", str(s.layers), "--width", str(s.width)]

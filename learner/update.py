@@ -410,6 +410,10 @@ class Trainer:
             trainer={"step": self.step_count, "algorithm": self.config.algorithm, "config": asdict(self.config)},
         )
 
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         """Adam's moments from a checkpoint or the previous phase, under this trainer's lr and weight decay.
 

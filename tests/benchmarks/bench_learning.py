@@ -84,6 +84,7 @@ class Synchronous:
         self.evaluate(0, 0)
         trainer = Trainer(self.policy, TrainConfig(algorithm="sft", lr=a.sft_lr))
         for update in range(1, a.sft_updates + 1):
+            trainer.set_lr(a.sft_lr * min(1.0, update / a.warmup_updates) if a.warmup_updates else a.sft_lr)
             tasks = [self.train[self.rng.randrange(len(self.train))] for _ in range(BATCH)]
             demos = [e for t in tasks for e in demonstration_events(t, self.backend.tokenizer, "sync", "demos")]
             trainer.step(score_events(demos, self.scorer), current_version=version)
@@ -113,7 +114,8 @@ class Synchronous:
 def pipeline(args: argparse.Namespace) -> list[dict[str, float]]:
     ns = f"bench-learning-{time.strftime('%H%M%S')}"
     cmd = [sys.executable, "-m", "infra", "demo", "--ns", ns, "--sft-updates", str(args.sft_updates), "--rl-updates",
-           str(args.rl_updates), "--sft-lr", str(args.sft_lr), "--lr", str(args.lr), "--eval-episodes",
+           str(args.rl_updates), "--sft-lr", str(args.sft_lr), "--lr", str(args.lr), "--warmup-updates",
+           str(args.warmup_updates), "--eval-episodes",
            str(args.eval_episodes), "--runs-dir", "runs/bench"]
     subprocess.run(cmd, check=False)
     results = json.loads((Path("runs/bench") / ns / "eval.json").read_text())
@@ -155,7 +157,10 @@ def main() -> None:
     p.add_argument("--sft-lr", type=float, default=1e-3)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--eval-episodes", type=int, default=256)
+    p.add_argument("--warmup-updates", type=int, default=None, help="default: a tenth of --sft-updates, as the demo")
     args = p.parse_args()
+    if args.warmup_updates is None:
+        args.warmup_updates = args.sft_updates // 10
     sync = Synchronous(args).run()
     pipe = pipeline(args)
     plot(sync, pipe, Path("runs/bench/learning.png"))

@@ -426,3 +426,19 @@ def test_a_retention_keeps_the_last_versions_every_nth_and_v0_and_every_manifest
     assert proc.returncode == 0 and "resumed v8" in proc.stderr, proc.stderr[-3000:]
     kept = {v for v in range(11) if store.list(f"checkpoints/{topics.ns}/v{v}/model.safetensors")}
     assert kept == {0, 3, 6, 9, 10}
+
+
+def test_the_learning_rate_warms_up_over_the_first_updates_and_a_resumed_run_continues_the_ramp(
+        stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
+    """A fresh Adam moves every weight by about the learning rate on its first steps: --warmup-updates raises
+    it linearly (from the update count, so a run resumed mid-ramp goes on where it was)."""
+    publish_batches(stack, store, topics, 8)
+    flags = ("--warmup-updates", "4", "--max-policy-lag", "100", "--updates-per-checkpoint", "1")
+    first = run_learner(stack, topics.ns, tmp_path, None, *flags, "--max-updates", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    rest = run_learner(stack, topics.ns, tmp_path, None, *flags)
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    rates = [(codec.decode(m.value()).labels["version"], codec.decode(m.value()).value)
+             for m in read_topic(stack, topics.metrics) if codec.decode(m.value()).name == "stats/lr"]
+    assert [lr for _, lr in rates] == pytest.approx([0.25e-3, 0.5e-3, 0.75e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3])
+    assert [v for v, _ in rates][:3] == ["0", "1", "2"]  # the third update ran after the restart, at v2
