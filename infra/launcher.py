@@ -64,6 +64,18 @@ def _need(tool: str, fix: str) -> str:
     return path
 
 
+def _go_install(module: str, binary: Path, what: str) -> Path:
+    """`go install module@version` into `binary`'s folder (static, CGO off), once; InfraError with Go's output."""
+    go = _need("go", "install Go 1.26 (see `python -m infra doctor`)")
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    print(f"building {what} with `go install` into {binary.parent} (once, a few minutes)", file=sys.stderr, flush=True)
+    env = {**os.environ, "GOBIN": str(binary.parent), "CGO_ENABLED": "0"}
+    proc = subprocess.run([go, "install", module], capture_output=True, text=True, env=env)
+    if proc.returncode != 0 or not binary.exists():
+        raise InfraError(f"`go install {module}` failed: {proc.stderr[-3000:]}")
+    return binary
+
+
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
@@ -184,15 +196,7 @@ class Launcher:
         ok, line = check(next(c for c in CHECKS if c.tool == "go"))
         if not ok:
             raise InfraError(f"cannot build MinIO: {line}")
-        go = _need("go", "")
-        binary.parent.mkdir(parents=True, exist_ok=True)
-        print(f"building MinIO {MINIO_VERSION} with `go install` into {binary.parent} (once, a few minutes)", file=sys.stderr, flush=True)
-        env = {**os.environ, "GOBIN": str(binary.parent), "CGO_ENABLED": "0"}
-        proc = subprocess.run([go, "install", f"github.com/minio/minio@{MINIO_VERSION}"],
-                              capture_output=True, text=True, env=env)
-        if proc.returncode != 0 or not binary.exists():
-            raise InfraError(f"`go install github.com/minio/minio@{MINIO_VERSION}` failed: {proc.stderr[-3000:]}")
-        return binary
+        return _go_install(f"github.com/minio/minio@{MINIO_VERSION}", binary, f"MinIO {MINIO_VERSION}")
 
     def compose_binary(self) -> Path:
         """`docker-compose` built once from the Compose Go module: `config` validates the deployment file
@@ -230,16 +234,8 @@ class Launcher:
         binary = self.root / "promtool" / PROMTOOL_VERSION / "promtool"
         if binary.exists():
             return binary
-        go = _need("go", "install Go 1.26 (see `python -m infra doctor`)")
-        binary.parent.mkdir(parents=True, exist_ok=True)
-        print(f"building promtool {PROMTOOL_VERSION} with `go install` into {binary.parent} (once, a few minutes)",
-              file=sys.stderr, flush=True)
-        env = {**os.environ, "GOBIN": str(binary.parent), "CGO_ENABLED": "0"}
-        proc = subprocess.run([go, "install", f"github.com/prometheus/prometheus/cmd/promtool@{PROMTOOL_VERSION}"],
-                              capture_output=True, text=True, env=env)
-        if proc.returncode != 0 or not binary.exists():
-            raise InfraError(f"`go install .../cmd/promtool@{PROMTOOL_VERSION}` failed: {proc.stderr[-3000:]}")
-        return binary
+        return _go_install(f"github.com/prometheus/prometheus/cmd/promtool@{PROMTOOL_VERSION}", binary,
+                           f"promtool {PROMTOOL_VERSION}")
 
     def fetch(self) -> None:
         self.kafka_libs()

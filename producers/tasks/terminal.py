@@ -78,8 +78,7 @@ class TerminalSource:
         family = self.families[index % len(self.families)]
         rng = random.Random(f"terminal/{self.seed}/{index}")
         problem = index // len(self.families)
-        made = (self._humaneval_bug(problem, rng) if family == "humaneval-bug" else
-                self._humaneval_split(problem, rng) if family == "humaneval-split" else self._import_fix(rng))
+        made = self._import_fix(rng) if family == "import-fix" else self._humaneval(family, problem, rng)
         if made is None:  # no mutation applies to this solution: the other family instead
             made = self._import_fix(rng)
             family = "import-fix"
@@ -91,8 +90,9 @@ class TerminalSource:
         return Task(task_id=task_id, domain="terminal", prompt=prompt, spec=spec, max_turns=self.max_steps,
                     demonstration=fixing_call(fixed).text())
 
-    def _mutant(self, i: int, rng: random.Random) -> Optional[tuple[dict[str, Any], str, str]]:
-        """(problem, correct solution, solution with one injected bug), or None when no mutation applies."""
+    def _humaneval(self, family: str, i: int, rng: random.Random) -> Optional[Made]:
+        """Problem i's canonical solution with one injected bug, as `family` lays it out; None when no mutation
+        applies to it."""
         problem = self._problems[i % len(self._problems)]
         body = problem["canonical_solution"]
         sites = [(m.start(), m.end(), repl) for pattern, repl in MUTATIONS for m in re.finditer(pattern, body)
@@ -100,39 +100,21 @@ class TerminalSource:
         if not sites:
             return None
         start, end, repl = rng.choice(sites)
-        return problem, problem["prompt"] + body, problem["prompt"] + body[:start] + repl + body[end:]
-
-    def _humaneval_bug(self, i: int, rng: random.Random) -> Optional[Made]:
-        mutant = self._mutant(i, rng)
-        if mutant is None:
-            return None
-        problem, correct, buggy = mutant
+        correct, buggy = problem["prompt"] + body, problem["prompt"] + body[:start] + repl + body[end:]
         module, entry = f"solution_{i}", problem["entry_point"]
-        files = {
-            f"{module}.py": buggy,
-            f"test_{module}.py": _unittest(module, entry, problem["test"]),
-            "README.md": f"`{entry}` in {module}.py has a bug: `python3 -m unittest test_{module}` fails. Fix it.",
-        }
-        return files, {f"{module}.py": correct}, module, entry, problem["test"]
-
-    def _humaneval_split(self, i: int, rng: random.Random) -> Optional[Made]:
-        mutant = self._mutant(i, rng)
-        if mutant is None:
-            return None
-        problem, correct, buggy = mutant
-        module, entry = f"solution_{i}", problem["entry_point"]
-        core = f"{module}_core"
+        tests = _unittest(module, entry, problem["test"])
+        if family == "humaneval-bug":
+            files = {f"{module}.py": buggy, f"test_{module}.py": tests,
+                     "README.md": f"`{entry}` in {module}.py has a bug: `python3 -m unittest test_{module}` fails. Fix it."}
+            return files, {f"{module}.py": correct}, module, entry, problem["test"]
+        core = f"{module}_core"  # humaneval-split: the other bug is the facade's import of the implementation
         wrong = rng.choice([f"{module}_impl", f"{core}s", f"{module}.core"])
         facade = (f'"""The public entry point; the implementation lives in {core}.py."""\n'
                   f"from {{source}} import {entry} as _{entry}\n\n\n"
                   f"def {entry}(*args, **kwargs):\n    return _{entry}(*args, **kwargs)\n")
-        files = {
-            f"{module}.py": facade.format(source=wrong),
-            f"{core}.py": buggy,
-            f"test_{module}.py": _unittest(module, entry, problem["test"]),
-            "README.md": (f"`{entry}` (in {module}.py, implemented in {core}.py) is broken: "
-                          f"`python3 -m unittest test_{module}` fails. Fix it."),
-        }
+        files = {f"{module}.py": facade.format(source=wrong), f"{core}.py": buggy, f"test_{module}.py": tests,
+                 "README.md": (f"`{entry}` (in {module}.py, implemented in {core}.py) is broken: "
+                               f"`python3 -m unittest test_{module}` fails. Fix it.")}
         return files, {f"{module}.py": facade.format(source=core), f"{core}.py": correct}, module, entry, problem["test"]
 
     def _import_fix(self, rng: random.Random) -> Made:
