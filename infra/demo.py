@@ -330,8 +330,8 @@ def parser() -> argparse.ArgumentParser:
                    help="namespace of the run (default: $TRAJPIPE_NS, else demo-<time>)")
     p.add_argument("--sources", default="reverse")
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--sft-updates", type=int, default=120, help="updates imitating demonstrations")
-    p.add_argument("--rl-updates", type=int, default=50, help="GRPO updates after the SFT phase")
+    p.add_argument("--sft-updates", type=int, default=100, help="updates imitating demonstrations")
+    p.add_argument("--rl-updates", type=int, default=80, help="GRPO updates after the SFT phase")
     p.add_argument("--rl-batches-per-update", type=int, default=8,
                    help="shards of --batch-trajectories merged into one GRPO update")
     p.add_argument("--updates-per-checkpoint", type=int, default=1, help="in the RL phase")
