@@ -139,7 +139,6 @@ class PolicyHolder:
             if self.world.leader:
                 print(f"switching to {algorithm} after {self.updates} updates", file=sys.stderr, flush=True)
 
-
     def warm_lr(self) -> None:
         """The next update's learning rate: the phase's, raised linearly over the run's first --warmup-updates
         (from the update count, so a resumed or a follower rank sets the same)."""
