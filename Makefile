@@ -1,7 +1,7 @@
 # The two commands of the README, and their helpers.
 PY ?= .venv/bin/python
 
-.PHONY: install up down demo smoke test unit integration e2e typecheck bench
+.PHONY: install up down demo smoke test unit integration e2e typecheck bench bench-publish
 
 install:
 	python3 -m venv .venv && $(PY) -m pip install -c requirements.lock -e ".[dev,pretrained]"
@@ -33,5 +33,12 @@ integration:
 e2e:
 	$(PY) -m pytest -q tests/e2e
 
+# Every benchmark (about an hour on 2 cores, Kafka and MinIO up), then one report: runs/bench/report.md + PNGs.
+# `make bench BENCHES="codec sandbox"` runs a few; `make bench-publish` also regenerates the README's table.
+BENCHES ?= codec dedupe policy sandbox rollout environments replay lineage learner streams e2e scale learning
 bench:
-	for b in tests/benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+	@failed=""; for b in $(BENCHES); do echo "== bench_$$b"; $(PY) tests/benchmarks/bench_$$b.py || failed="$$failed $$b"; done; \
+	$(PY) tests/benchmarks/report.py; if [ -n "$$failed" ]; then echo "failed:$$failed"; exit 1; fi
+
+bench-publish:
+	$(PY) tests/benchmarks/report.py --publish

@@ -22,6 +22,7 @@ from schemas import codec  # noqa: E402
 from schemas.examples import example_events  # noqa: E402
 from schemas.packing import pack_floats, pack_ids, unpack_floats, unpack_ids  # noqa: E402
 from schemas.records import PolicyTurn, RolloutEvent  # noqa: E402
+from tests.benchmarks.report import Figure, record  # noqa: E402
 
 N_TOKENS = 256
 
@@ -67,7 +68,7 @@ def rate(fn: Callable[[], Any], n: int) -> float:
     return n / (time.perf_counter() - start)
 
 
-def bench_formats(n: int) -> None:
+def bench_formats(n: int) -> list[Figure]:
     ev = policy_turn_event(random.Random(0))
     schema = array_schema()
 
@@ -91,6 +92,10 @@ def bench_formats(n: int) -> None:
         print(f"{name:<22}{size:>14}{enc:>16,.0f}{dec:>16,.0f}")
     print(f"codec vs avro arrays: encode x{rows[0][2] / rows[1][2]:.1f}, decode x{rows[0][3] / rows[1][3]:.1f}, "
           f"bytes x{rows[0][1] / rows[1][1]:.2f} (fixed 4-byte ids vs varints)")
+    return [Figure("bytes per event, packed codec", rows[0][1], "B", rows[0][1] / rows[1][1], "Avro arrays"),
+            Figure("encodes/s, packed codec", rows[0][2], "/s", rows[0][2] / rows[1][2], "Avro arrays"),
+            Figure("decodes/s, packed codec", rows[0][3], "/s", rows[0][3] / rows[1][3], "Avro arrays"),
+            Figure("decodes/s, JSON", rows[2][3], "/s", rows[2][3] / rows[1][3], "Avro arrays")]
 
 
 def through_broker(settings: Any, topic: str, n: int) -> tuple[float, float, int]:
@@ -120,7 +125,7 @@ def through_broker(settings: Any, topic: str, n: int) -> tuple[float, float, int
     return n / produce_s, n / consume_s, nbytes
 
 
-def bench_broker(n: int) -> None:
+def bench_broker(n: int) -> list[Figure]:
     from infra.bootstrap import bootstrap
     from infra.launcher import Launcher
 
@@ -134,6 +139,8 @@ def bench_broker(n: int) -> None:
     print(f"\nreal broker, {n} encoded PolicyTurn events ({nbytes / n:.0f} B each), idempotent producer, acks=all")
     print(f"produce (delivery confirmed): {produce:,.0f} events/s, {mb * produce / n:.1f} MB/s")
     print(f"consume + decode:             {consume:,.0f} events/s, {mb * consume / n:.1f} MB/s")
+    return [Figure("events/s produced, delivery confirmed (acks=all, idempotent)", produce, "events/s"),
+            Figure("events/s consumed and decoded", consume, "events/s", consume / produce, "produce")]
 
 
 def main() -> None:
@@ -141,8 +148,10 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=20_000)
     parser.add_argument("--events", type=int, default=100_000)
     args = parser.parse_args()
-    bench_formats(args.records)
-    bench_broker(args.events)
+    started = time.monotonic()
+    figures = bench_formats(args.records) + bench_broker(args.events)
+    record("bench_codec", f"PolicyTurn with {N_TOKENS} generated tokens; {args.events:,} through one broker",
+           figures, started)
 
 
 if __name__ == "__main__":

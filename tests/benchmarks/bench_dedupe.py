@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from schemas.keys import new_event_id  # noqa: E402
 from streams.assembly import ClosedEpisode  # noqa: E402
+from tests.benchmarks.report import Figure, record  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,11 @@ def main() -> None:
           f"for {a.horizon_s / 3600:.0f} h at {a.rate:.0f} events/s")
     print(f"  now (seq range):         {now:7.0f} B/episode -> {now * episodes / 2**30:5.2f} GiB per worker "
           f"({former / now:.1f}x less)")
+    record("bench_dedupe", f"closed-episode markers for a {a.horizon_s / 3600:.0f} h dedupe horizon, {k} events an "
+           f"episode, at {a.rate:,.0f} events/s", [
+               Figure("bytes per closed episode", now, "B", now / former, "every event id kept"),
+               Figure("memory per worker for the horizon", now * episodes / 2**30, "GiB"),
+           ])
 
 
 if __name__ == "__main__":

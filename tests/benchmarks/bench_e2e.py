@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -41,6 +42,7 @@ from schemas.records import RolloutEvent, SourcePosition, Trajectory  # noqa: E4
 from schemas.topics import Topics  # noqa: E402
 from streams import assembly, grouping  # noqa: E402
 from streams.scoring import Scorer  # noqa: E402
+from tests.benchmarks.report import Figure, record  # noqa: E402
 
 GROUP, PROMPTS, NEW_TOKENS, LAYERS, WIDTH, BATCH = 8, 4, 6, 4, 256, 64
 
@@ -77,7 +79,8 @@ def synchronous(updates: int) -> dict[str, float]:
     mixer = TaskMixer([load_source("math-easy")], seed=0, curriculum=None)
     trainer = Trainer(build_policy(layers=LAYERS, width=WIDTH, seed=0), TrainConfig(algorithm="grpo", lr=1e-3))
     scorer = Scorer.load("default", "1")
-    times = defaultdict(float)
+    times: dict[str, float] = defaultdict(float)
+    done_at: list[float] = []
     start = time.perf_counter()
     for version in range(updates):
         batch: list[Trajectory] = []
@@ -94,9 +97,27 @@ def synchronous(updates: int) -> dict[str, float]:
         state = {k: v for k, v in trainer.model.state_dict().items()}
         backend.load_weights(state, version + 1)  # the synchronous loop hands weights over in memory
         times["train"] += time.perf_counter() - t0
+        done_at.append(time.perf_counter())
     times["wall"] = time.perf_counter() - start
+    times["steady_per_update"] = steady(done_at)
     code.close()
     return dict(times)
+
+
+def steady(done_at: list[float]) -> float:
+    """Seconds per update after the first one: start-up (model load, group joins, first batch) excluded."""
+    return (done_at[-1] - done_at[0]) / max(1, len(done_at) - 1)
+
+
+def watch_updates(proc: subprocess.Popen, done_at: list[float]) -> threading.Thread:  # type: ignore[type-arg]
+    """Time each `update N` line the learner logs (its stderr), as it happens."""
+    def read() -> None:
+        for line in proc.stderr or ():
+            if line.startswith("update "):
+                done_at.append(time.perf_counter())
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
 
 
 def pipeline(updates: int, settings: Settings) -> dict[str, float]:
@@ -117,9 +138,14 @@ def pipeline(updates: int, settings: Settings) -> dict[str, float]:
     }
     start = time.perf_counter()
     procs = {n: subprocess.Popen([sys.executable, "-m", *c], env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.DEVNULL, text=True) for n, c in cmds.items()}
-    learner_out, _ = procs["learner"].communicate(timeout=1800)
+                                 stderr=subprocess.PIPE if n == "learner" else subprocess.DEVNULL, text=True)
+             for n, c in cmds.items()}
+    done_at: list[float] = []
+    reader = watch_updates(procs["learner"], done_at)
+    procs["learner"].wait(timeout=1800)
     wall = time.perf_counter() - start
+    reader.join(timeout=10)
+    learner_out = procs["learner"].stdout.read() if procs["learner"].stdout else ""
     reports = {"learner": json.loads(learner_out.strip().splitlines()[-1])}
     for name, proc in procs.items():
         if name != "learner":
@@ -133,13 +159,14 @@ def pipeline(updates: int, settings: Settings) -> dict[str, float]:
             "sandbox": sum(w["sandbox_s"] for w in workers) / len(workers),
             "producer_paused": sum(w["paused_s"] for w in workers) / len(workers),
             "train": reports["learner"]["compute_s"], "learner_waiting": reports["learner"]["wait_s"],
-            "events": float(events)}
+            "events": float(events), "steady_per_update": steady(done_at)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--updates", type=int, default=12)
     args = p.parse_args()
+    started = time.monotonic()
     torch.set_num_threads(2)
     launcher = Launcher()
     launcher.up()
@@ -154,7 +181,20 @@ def main() -> None:
           f"processes); per worker: generate {pipe['generate']:.1f}s, sandbox {pipe['sandbox']:.1f}s, paused "
           f"{pipe['producer_paused']:.1f}s; learner: train {pipe['train']:.1f}s, waiting for data "
           f"{pipe['learner_waiting']:.1f}s; {pipe['events']:.0f} events")
-    print(f"ratio pipeline/synchronous wall time: {pipe['wall'] / sync['wall']:.2f}")
+    ratio = pipe["steady_per_update"] / sync["steady_per_update"]
+    print(f"ratio pipeline/synchronous wall time: {pipe['wall'] / sync['wall']:.2f}; seconds per update after the "
+          f"first (start-up excluded): synchronous {sync['steady_per_update']:.2f}, pipeline "
+          f"{pipe['steady_per_update']:.2f} (x{ratio:.2f}, goal <= 1.2)")
+    record("bench_e2e", f"{args.updates} GRPO updates of {BATCH} math-easy trajectories, tiny Llama {LAYERS}x{WIDTH}; "
+           "synchronous in-process loop vs every stage a process", [
+               Figure("synchronous loop, wall", sync["wall"], "s"),
+               Figure("streaming pipeline, wall (start-up included)", pipe["wall"], "s", pipe["wall"] / sync["wall"],
+                      "synchronous"),
+               Figure("seconds per update, start-up excluded", pipe["steady_per_update"], "s", ratio,
+                      "synchronous", "≤ 1.2", ratio <= 1.2),
+               Figure("learner waiting for data", 100 * pipe["learner_waiting"] / pipe["wall"], "% of the wall time"),
+               Figure("rollout worker generating", 100 * pipe["generate"] / pipe["wall"], "% of the wall time"),
+           ], started)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from schemas.toolcalls import parse_call  # noqa: E402
 from streams.rewards import get_reward_fn  # noqa: E402
 from tests.unit.test_rewards import traj, turn  # noqa: E402
 from tests.unit.test_terminal import ScriptedPolicy, call  # noqa: E402
+from tests.benchmarks.report import Figure, record  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -39,7 +40,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
-def terminal(episodes: int, workers: int) -> None:
+def terminal(episodes: int, workers: int) -> list[Figure]:
     source = TerminalSource(seed=11)
     events: list[RolloutEvent] = []
     settings = WorkerSettings(ns="bench", producer_id="bench", group_size=4, prompts_per_step=1,
@@ -76,9 +77,13 @@ def terminal(episodes: int, workers: int) -> None:
               f"p99 {percentile(values, 0.99):6.0f} ms")
     passed = sum(r.outcome == "passed" for name, r in results if name == "submit")
     print(f"  submits passed: {passed}/{len(done)}")
+    return [Figure("terminal episodes/s (scripted policy, 5 tool calls each)", len(done) / wall, "episodes/s"),
+            Figure("terminal tool calls/s", len(results) / wall, "calls/s"),
+            Figure("run_tests p50", percentile(by_tool["run_tests"], 0.5), "ms"),
+            Figure("terminal submits passed", passed / max(1, len(done)), "of the episodes")]
 
 
-def reasoning_gym(n: int) -> None:
+def reasoning_gym(n: int) -> list[Figure]:
     score = get_reward_fn("default", "1")
     names = generators()
     items = []
@@ -87,12 +92,17 @@ def reasoning_gym(n: int) -> None:
         task = source[i // len(names)]
         answer = task.demonstration if i % 2 == 0 else " 12345"
         items.append(traj(task.domain, task.task_spec, [turn(0, answer or "")]))
+    rates = []
     for label in ("first pass (datasets re-generated)", "second pass (cached)"):
         started = time.perf_counter()
         outcomes = [score(t).components["outcome/correct"] for t in items]
         wall = time.perf_counter() - started
         print(f"reasoning-gym scoring, {label}: {len(items)} trajectories over {len(names)} datasets in "
               f"{wall:.2f} s: {len(items) / wall:.0f} trajectories/s (correct: {sum(outcomes):.0f})")
+        rates.append(len(items) / wall)
+    return [Figure(f"reasoning-gym scoring over {len(names)} datasets, first pass", rates[0], "trajectories/s"),
+            Figure("reasoning-gym scoring, datasets cached", rates[1], "trajectories/s", rates[1] / rates[0],
+                   "first pass")]
 
 
 def main() -> int:
@@ -101,12 +111,16 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--rg-trajectories", type=int, default=2000)
     args = p.parse_args()
+    started = time.monotonic()
+    figures: list[Figure] = []
     reason = unavailable_reason("bwrap")
     if reason:
         print(f"the terminal benchmark needs bwrap: {reason}")
     else:
-        terminal(args.episodes, args.workers)
-    reasoning_gym(args.rg_trajectories)
+        figures += terminal(args.episodes, args.workers)
+    figures += reasoning_gym(args.rg_trajectories)
+    record("bench_environments", f"terminal: {args.episodes} episodes, {args.workers} bwrap workers; reasoning-gym: "
+           f"{args.rg_trajectories:,} answers scored", figures, started)
     return 0
 
 

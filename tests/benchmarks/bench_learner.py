@@ -32,6 +32,7 @@ from schemas.records import BatchManifest, Trajectory  # noqa: E402
 from schemas.topics import Topics  # noqa: E402
 from schemas.packing import pack_floats, pack_ids  # noqa: E402
 from schemas.records import SourcePosition, TrajectoryTurn  # noqa: E402
+from tests.benchmarks.report import Figure, record  # noqa: E402
 
 
 def trajectory(rng: random.Random, ns: str, i: int, gen_tokens: int) -> Trajectory:
@@ -110,6 +111,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--gen-tokens", type=int, default=192)
     args = p.parse_args()
+    started = time.monotonic()
     torch.set_num_threads(2)
     launcher = Launcher()
     launcher.up()
@@ -132,7 +134,14 @@ def main() -> None:
     print(f"{'source':<32}{'steps/s':>10}{'tokens/s':>12}")
     print(f"{'from memory':<32}{steps / mem_s:>10.2f}{mem_tokens / mem_s:>12.0f}")
     print(f"{'Kafka + MinIO + cache, prefetch':<32}{steps / pipe_s:>10.2f}{pipe_tokens / pipe_s:>12.0f}")
-    print(f"ratio pipeline/memory: {mem_s / pipe_s:.3f} (goal >= 0.95); time waiting for data: {waited / pipe_s:.1%}")
+    print(f"ratio pipeline/memory: {mem_s / pipe_s:.3f} (goal >= 0.97); time waiting for data: {waited / pipe_s:.1%}")
+    record("bench_learner", f"GRPO, tiny Llama 4x256, {steps} timed updates of {args.batch_size} trajectories "
+           f"(32 prompt + up to {args.gen_tokens} generated tokens)", [
+               Figure("updates/s from memory", steps / mem_s, "updates/s"),
+               Figure("updates/s fed by Kafka manifests + MinIO + disk cache", steps / pipe_s, "updates/s",
+                      mem_s / pipe_s, "from memory", "≥ 0.97", mem_s / pipe_s >= 0.97),
+               Figure("learner waiting for data", 100 * waited / pipe_s, "% of the time"),
+           ], started)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Learning benchmark: the streaming pipeline versus a synchronous in-process loop on the same task, schedule and
 number of trajectories: held-out greedy success at equal trajectories and at equal wall time.
 
-    python tests/benchmarks/bench_learning.py [--sft-updates 260 --rl-updates 120]   # ~25 minutes on 2 cores
+    python tests/benchmarks/bench_learning.py [--sft-updates 100 --rl-updates 80]   # ~25 minutes on 2 cores
 
 The pipeline side is the demo (`python -m infra demo`, every service a process, evaluation through the
 pipeline). The synchronous side calls the same code in turn in one process: demonstrations -> assembly ->
@@ -41,6 +41,7 @@ from schemas.models import tiny_llama_config  # noqa: E402
 from schemas.records import RolloutEvent, Trajectory  # noqa: E402
 from streams.scoring import Scorer  # noqa: E402
 from tests.benchmarks.bench_e2e import score_events, to_trajectories  # noqa: E402
+from tests.benchmarks.report import Figure, record  # noqa: E402
 
 BATCH, GROUP, PROMPTS, NEW_TOKENS, LAYERS, WIDTH = 64, 8, 8, 8, 4, 256
 
@@ -97,12 +98,12 @@ class Synchronous:
         rl.load_optimizer_state(trainer.optimizer.state_dict())
         for update in range(1, a.rl_updates + 1):
             batch: list[Trajectory] = []
-            while len(batch) < BATCH:
+            while len(batch) < BATCH * a.rl_batches_per_update:
                 self.events.clear()
                 self.runner.run_step([self.train[self.rng.randrange(len(self.train))] for _ in range(PROMPTS)])
                 batch += to_trajectories(self.events, self.scorer)
-            rl.step(batch[:BATCH], current_version=version)
-            seen += BATCH
+            rl.step(batch[:BATCH * a.rl_batches_per_update], current_version=version)
+            seen += BATCH * a.rl_batches_per_update
             if update % a.updates_per_checkpoint == 0:
                 version += 1
                 self.sync_weights(version)
@@ -115,7 +116,9 @@ def pipeline(args: argparse.Namespace) -> list[dict[str, float]]:
     ns = f"bench-learning-{time.strftime('%H%M%S')}"
     cmd = [sys.executable, "-m", "infra", "demo", "--ns", ns, "--sft-updates", str(args.sft_updates), "--rl-updates",
            str(args.rl_updates), "--sft-lr", str(args.sft_lr), "--lr", str(args.lr), "--warmup-updates",
-           str(args.warmup_updates), "--eval-episodes",
+           str(args.warmup_updates), "--rl-batches-per-update", str(args.rl_batches_per_update),
+           "--updates-per-checkpoint", str(args.updates_per_checkpoint), "--sft-updates-per-checkpoint",
+           str(args.sft_updates_per_checkpoint), "--eval-episodes",
            str(args.eval_episodes), "--runs-dir", "runs/bench"]
     subprocess.run(cmd, check=False)
     results = json.loads((Path("runs/bench") / ns / "eval.json").read_text())
@@ -125,9 +128,9 @@ def pipeline(args: argparse.Namespace) -> list[dict[str, float]]:
         if r["mode"] != "greedy":
             continue
         v = r["version"]
-        updates = (min(v, sft_v) * args.sft_updates_per_checkpoint if v <= sft_v
-                   else args.sft_updates + (v - sft_v) * args.updates_per_checkpoint)
-        curve.append({**r, "trajectories": min(updates, args.sft_updates + args.rl_updates) * BATCH})
+        sft = min(v * args.sft_updates_per_checkpoint, args.sft_updates)
+        rl = min(max(0, v - sft_v) * args.updates_per_checkpoint, args.rl_updates)
+        curve.append({**r, "trajectories": (sft + rl * args.rl_batches_per_update) * BATCH})
     return sorted(curve, key=lambda r: r["version"])
 
 
@@ -147,18 +150,37 @@ def plot(sync: list[dict[str, float]], pipe: list[dict[str, float]], path: Path)
     fig.savefig(path, dpi=110)
 
 
+def figures(sync: list[dict[str, float]], pipe: list[dict[str, float]], args: argparse.Namespace) -> list[Figure]:
+    sft_v = -(-args.sft_updates // args.sft_updates_per_checkpoint)
+    post_sft = next(p for p in pipe if p["version"] == sft_v)
+    last, base = pipe[-1], sync[-1]
+    gain = last["success"] - post_sft["success"]
+    return [
+        Figure("synchronous loop: final held-out greedy success", base["success"], f"[{base['ci_low']:.3f}, "
+               f"{base['ci_high']:.3f}] in {base['seconds']:.0f} s"),
+        Figure("pipeline: final held-out greedy success", last["success"], f"[{last['ci_low']:.3f}, "
+               f"{last['ci_high']:.3f}] in {last['seconds']:.0f} s", last["success"] / max(base["success"], 1e-9),
+               "synchronous", "≥ 0.8", last["success"] >= 0.8),
+        Figure("pipeline: post-SFT held-out greedy success", post_sft["success"],
+               f"[{post_sft['ci_low']:.3f}, {post_sft['ci_high']:.3f}]"),
+        Figure("pipeline: success the RL phase adds", gain, "absolute", goal="≥ +0.2", met=gain >= 0.2),
+    ]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sft-updates", type=int, default=260)
-    p.add_argument("--rl-updates", type=int, default=120)
+    p.add_argument("--sft-updates", type=int, default=100, help="as the demo")
+    p.add_argument("--rl-updates", type=int, default=80, help="as the demo")
+    p.add_argument("--rl-batches-per-update", type=int, default=8, help=f"shards of {BATCH} per GRPO update, as the demo")
     p.add_argument("--sft-updates-per-checkpoint", type=int, default=20)
-    p.add_argument("--updates-per-checkpoint", type=int, default=2)
-    p.add_argument("--eval-every", type=int, default=15, help="RL versions between points of the synchronous curve")
+    p.add_argument("--updates-per-checkpoint", type=int, default=1)
+    p.add_argument("--eval-every", type=int, default=20, help="RL versions between points of the synchronous curve")
     p.add_argument("--sft-lr", type=float, default=1e-3)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--eval-episodes", type=int, default=256)
     p.add_argument("--warmup-updates", type=int, default=None, help="default: a tenth of --sft-updates, as the demo")
     args = p.parse_args()
+    started = time.monotonic()
     if args.warmup_updates is None:
         args.warmup_updates = args.sft_updates // 10
     sync = Synchronous(args).run()
@@ -175,6 +197,9 @@ def main() -> None:
             print(f"at {s['trajectories']:>6.0f} trajectories: synchronous {s['success']:.3f}, pipeline "
                   f"{match[0]['success']:.3f}")
     print("curves: runs/bench/learning.png")
+    record("bench_learning", f"reverse, tiny Llama {LAYERS}x{WIDTH}: {args.sft_updates} SFT updates of {BATCH} "
+           f"demonstrations + {args.rl_updates} GRPO updates of {BATCH * args.rl_batches_per_update} trajectories; "
+           "the pipeline side is `python -m infra demo`", figures(sync, pipe, args), started)
 
 
 if __name__ == "__main__":

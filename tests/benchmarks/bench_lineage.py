@@ -33,6 +33,7 @@ from schemas.keys import batch_id, shard_key  # noqa: E402
 from schemas.packing import pack_floats, pack_ids  # noqa: E402
 from schemas.records import BatchManifest, CheckpointPublished, SourcePosition, Trajectory, TrajectoryTurn  # noqa: E402
 from schemas.topics import Topics  # noqa: E402
+from tests.benchmarks.report import Figure, record  # noqa: E402
 
 T0 = 1_700_000_000_000
 
@@ -118,6 +119,12 @@ def main() -> int:
                   f"({len(times)} trajectories)")
         print(f"ratio: the whole query is {statistics.median(scanned) / statistics.median(indexed):.1f}x faster "
               "than the scan alone")
+        query, scan = statistics.median(indexed), statistics.median(scanned)
+        record("bench_lineage", f"{args.trajectories:,} scored trajectories in batches of {args.batch}, "
+               f"{args.queries} lineage queries", [
+                   Figure("lineage query, median", query, "s", query / scan, "scanning the scored topic"),
+                   Figure("lineage query, max", max(indexed), "s"),
+               ])
     finally:
         delete_namespace(settings, topics.ns, force=True)
     return 0

@@ -11,18 +11,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from producers.policy import Sampling, make_backend  # noqa: E402
+from tests.benchmarks.report import Figure, record  # noqa: E402
 
 
 def _prompts(count: int) -> list[str]:
     return [f"Task {i}: compute {17 * i} + {29 + i} and explain." for i in range(count)]
 
 
-def run(prompts: int, new_tokens: int, threads: int, repeats: int) -> None:
+def run(prompts: int, new_tokens: int, threads: int, repeats: int) -> list[Figure]:
     torch.set_num_threads(threads)
     backend = make_backend("transformers", seed=0)  # tiny_llama_config(): 4 layers, width 256
     params = sum(p.numel() for p in backend.model.parameters())  # type: ignore[attr-defined]
     batch = _prompts(prompts)
     backend.generate(batch[:2], 1, Sampling(max_new_tokens=4, seed=0))  # warm-up
+    figures = []
     for temperature in (1.0, 0.0):
         sampling = Sampling(temperature=temperature, max_new_tokens=new_tokens, seed=1)
         best = float("inf")
@@ -34,6 +36,9 @@ def run(prompts: int, new_tokens: int, threads: int, repeats: int) -> None:
         print(f"policy/transformers params={params / 1e6:.2f}M threads={threads} prompts={prompts} "
               f"new_tokens={new_tokens} T={temperature}: {generated} tokens in {best:.3f}s "
               f"= {generated / best:,.0f} tokens/s")
+        figures.append(Figure("generated tokens/s, " + ("sampling (T=1)" if temperature else "greedy"),
+                              generated / best, "tokens/s"))
+    return figures
 
 
 def main() -> None:
@@ -43,7 +48,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    run(args.prompts, args.new_tokens, args.threads, args.repeats)
+    started = time.monotonic()
+    figures = run(args.prompts, args.new_tokens, args.threads, args.repeats)
+    record("bench_policy", f"tiny Llama 4x256 on CPU, {args.prompts} prompts x {args.new_tokens} new tokens, "
+           f"{args.threads} threads", figures, started)
 
 
 if __name__ == "__main__":

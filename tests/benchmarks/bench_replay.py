@@ -40,6 +40,7 @@ from schemas.records import (  # noqa: E402
     TrajectoryTurn,
 )
 from schemas.topics import Topics  # noqa: E402
+from tests.benchmarks.report import Figure, record  # noqa: E402
 
 T0 = 1_700_000_000_000
 TOKENS = 64
@@ -184,6 +185,7 @@ def main() -> int:
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--keep", action="store_true", help="leave the archive objects in the store")
     args = parser.parse_args()
+    started = time.monotonic()
     store = ObjectStore(Settings.from_env())
     store.ensure_bucket()
     ns = f"bench{uuid.uuid4().hex[:8]}"
@@ -214,6 +216,11 @@ def main() -> int:
     raw_rate = timed("raw archive read (fetch, inflate, container decode)", args.events, raw)
     replay_rate = timed(f"replay: {label}", args.events, rescore)
     print(f"ratio replay / raw read: {replay_rate / raw_rate:.3f}  (raw read is {raw_rate / replay_rate:.1f}x faster)")
+    record("bench_replay", f"{args.events:,} archived events in {args.partitions} partitions", [
+        Figure("raw archive read", raw_rate, "events/s"),
+        Figure("replay through re-scoring (decode, fold, reward v2, encode)", replay_rate, "events/s",
+               replay_rate / raw_rate, "raw read"),
+    ], started)
     if not args.keep:
         for key in store.list(archive_prefix(ns, topic)):
             store.delete(key)

@@ -73,12 +73,23 @@ def print_table(rows: list[Row], workers: int) -> None:
               f"{row.p50_ms:>9.0f}{row.p99_ms:>9.0f}")
 
 
+def figures(row: Row, rows: list[Row]) -> list[Figure]:
+    isolating = row.backend in ("bwrap", "docker")
+    fastest = max(r.per_second for r in rows)
+    goal = ("≥ 40/s", row.per_second >= 40) if isolating else ("", None)
+    return [Figure(f"{row.backend}: executions/s", row.per_second, "/s", row.per_second / fastest,
+                   "the fastest backend", *goal),
+            Figure(f"{row.backend}: p50 / p99 latency", row.p50_ms, f"ms / {row.p99_ms:.0f} ms"),
+            Figure(f"{row.backend}: canonical solutions not passed", row.not_passed, "")]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--backends", default=",".join(BACKEND_NAMES))
     args = parser.parse_args()
+    started = time.monotonic()
     jobs = canonical_jobs()
     rows = []
     for name in args.backends.split(","):
@@ -96,6 +107,8 @@ def main() -> int:
             if not result.passed:
                 print(f"{name}: {job.entry_point}: {result.outcome} {result.stderr[-200:]!r}")
     print_table(rows, args.workers)
+    record("bench_sandbox", f"{len(jobs)} HumanEval canonical solutions x {args.rounds}, {args.workers} workers",
+           [figure for row in rows for figure in figures(row, rows)], started)
     return 1 if any(row.not_passed for row in rows) else 0
 
 

@@ -32,6 +32,7 @@ from infra.launcher import Launcher  # noqa: E402
 from tests.benchmarks.bench_codec import through_broker  # noqa: E402
 from tests.benchmarks.bench_streams import throughput  # noqa: E402
 from tests.integration.test_launcher import free_port_pair  # noqa: E402
+from tests.benchmarks.report import Figure, record  # noqa: E402
 
 
 def through(launcher: Launcher, n: int) -> tuple[float, float, str]:
@@ -100,6 +101,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.learner_rank:
         return learner_rank()
+    started = time.monotonic()
     rows = []
     streams: list[dict[str, float]] = []
     for brokers in (1, 3):
@@ -134,6 +136,17 @@ def main() -> int:
     for ranks, rate in zip((1, 2), learner):
         print(f"{ranks:>8} rank(s): {rate:.2f} samples/s")
     print(f"2 ranks vs 1: x{learner[1] / learner[0]:.2f} (one machine, {os.cpu_count()} cores shared by the ranks)")
+    record("bench_scale", f"brokers: {args.events:,} PolicyTurn events, acks=all, 4 partitions; stream workers: "
+           f"{args.stream_events:,} events of the realistic mix; learner: GRPO updates of 32 trajectories, torchrun "
+           "+ gloo; every instance on this machine's cores", [
+               Figure("3 brokers (replication 3, min.insync 2): produced", p3, "events/s", p3 / p1, "1 broker"),
+               Figure("3 brokers: consumed and decoded", c3, "events/s", c3 / c1, "1 broker"),
+               Figure("2 stream workers", two["events_per_s"], "events/s", two["events_per_s"] / one["events_per_s"],
+                      "1 worker"),
+               Figure("2 stream workers, per CPU-second", two["events_per_cpu_s"], "events/CPU-s",
+                      two["events_per_cpu_s"] / one["events_per_cpu_s"], "1 worker"),
+               Figure("2 learner ranks", learner[1], "samples/s", learner[1] / learner[0], "1 rank"),
+           ], started)
     return 0
 
 

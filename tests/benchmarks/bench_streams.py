@@ -39,6 +39,7 @@ from schemas.packing import pack_floats, pack_ids  # noqa: E402
 from schemas.records import Body, EpisodeEnded, PolicyTurn, RolloutEvent  # noqa: E402
 from schemas.topics import Topics  # noqa: E402
 from tests.streams_data import Episode, bodies  # noqa: E402
+from tests.benchmarks.report import Figure, record  # noqa: E402
 
 DOMAINS = ("code", "math", "table")
 
@@ -224,6 +225,8 @@ def main() -> None:
     p.add_argument("--skip-latency", action="store_true")
     p.add_argument("--skip-throughput", action="store_true")
     args = p.parse_args()
+    started = time.monotonic()
+    figures: list[Figure] = []
     settings = Settings.from_env()
     if not args.skip_throughput:
         run = throughput(settings, args)
@@ -233,12 +236,21 @@ def main() -> None:
         top = ceiling(settings, Topics(str(run["ns"])).events, int(run["events"]))
         print(f"ceiling: confluent-kafka consume + decode {top:,.0f} events/s; worker/ceiling = "
               f"{run['events_per_s'] / top:.2f}", flush=True)
+        figures += [Figure("one worker: clean + assemble + score + group", run["events_per_s"], "events/s",
+                           run["events_per_s"] / top, "consume + decode loop", "≥ 20k/s and ≥ 0.5",
+                           run["events_per_s"] >= 20_000 and run["events_per_s"] / top >= 0.5),
+                    Figure("one worker, per CPU-second", run["events_per_cpu_s"], "events/CPU-s"),
+                    Figure("plain confluent-kafka consume + decode", top, "events/s")]
     if not args.skip_latency:
         lat = latency(settings, args)
         print(f"latency at {lat['rate']:.0f} events/s ({lat['n']} scored trajectories): "
               f"last EpisodeEnded of the group -> scored p50 {lat['group_p50_ms']:.0f} ms, "
               f"p99 {lat['group_p99_ms']:.0f} ms; own EpisodeEnded -> scored (includes waiting for the rest "
               f"of the group) p50 {lat['p50_ms']:.0f} ms, p99 {lat['p99_ms']:.0f} ms")
+        figures += [Figure(f"group complete -> scored at {lat['rate']:,.0f} events/s, p50", lat["group_p50_ms"], "ms"),
+                    Figure("group complete -> scored, p99", lat["group_p99_ms"], "ms")]
+    record("bench_streams", f"{args.events:,} rollout events of the realistic mix (code, math, table), "
+           f"{args.partitions} partitions, {args.tokens} tokens per turn", figures, started)
 
 
 if __name__ == "__main__":
