@@ -5,8 +5,9 @@ Precedence, first match wins:
    (nothing untrusted ran, so the answer is not to blame).
 2. A valid harness report (its digest, keyed by the run's nonce, checks out) is trusted as is:
    syntax_error, runtime_error, memory_exceeded, timeout (the player hit the CPU limit), failed or
-   passed. The only change: passed becomes output_truncated when stdout or stderr went over the output
-   limit. A failing or crashing run keeps its more specific outcome (that is what the model must fix);
+   passed. Two changes: passed becomes output_truncated when stdout or stderr went over the output
+   limit; a player the judge saw killed (it cannot tell the CPU limit's SIGKILL from the memory cgroup's)
+   is memory_exceeded when the run's cgroup recorded an OOM kill. A failing or crashing run keeps its more specific outcome (that is what the model must fix);
    its truncated stream still ends with a "[truncated ...]" note.
 3. No report although the program started: timeout (wall clock, or SIGXCPU / SIGKILL from the CPU
    rlimit), memory_exceeded (the memory cgroup killed it), else runtime_error (it exited, crashed or
@@ -57,7 +58,7 @@ def _decide(raw: RawRun, report: Report | None, started: bool, facts: RunFacts) 
     if raw.infra_error:
         return "infra_error", 0, static, raw.infra_error
     if report is not None:
-        return _from_report(report, raw, static)
+        return _from_report(report, raw, static, facts.limits)
     if not started:
         detail = raw.stderr.decode("utf-8", "replace").strip()[-INFRA_DETAIL_CHARS:]
         why = f"the sandbox failed before the program started (status {raw.returncode}): {detail}"
@@ -65,7 +66,10 @@ def _decide(raw: RawRun, report: Report | None, started: bool, facts: RunFacts) 
     return _from_status(raw, facts.limits, static)
 
 
-def _from_report(report: Report, raw: RawRun, static: int) -> tuple[str, int, int, str]:
+def _from_report(report: Report, raw: RawRun, static: int, limits: Limits) -> tuple[str, int, int, str]:
+    if raw.oom_killed and report.outcome == "timeout":
+        return ("memory_exceeded", report.passed, max(report.total, static),
+                f"killed: the run's memory limit of {limits.run_memory_mb} MiB exceeded")
     if report.outcome == "passed":
         if raw.stdout_truncated or raw.stderr_truncated:
             return "output_truncated", report.passed, report.total, "the tests passed but the output exceeded the limit"
