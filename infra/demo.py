@@ -105,7 +105,8 @@ def plan(args: argparse.Namespace, ns: str) -> list[Service]:
                                          str(args.group_size), "--prompts-per-step", str(args.prompts_per_step),
                                          "--max-new-tokens", str(args.max_new_tokens), "--producer-id", f"worker-{i}",
                                          "--seed", str(i), "--max-policy-lag", "1", "--max-episodes-per-version",
-                                         str(quota(args)), "--quota-wait-s", str(args.quota_wait_s), *sampling, *backend, *model],
+                                         str(quota(args)), "--quota-wait-s", str(args.quota_wait_s), "--curriculum",
+                                         str(args.curriculum), *sampling, *backend, *model],
                        when="rl" if args.sft_updates else "start")  # no SFT phase: RL from v0 on
                for i in range(args.workers)]
     demonstrations = args.sft_updates * args.batch_trajectories
@@ -329,6 +330,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ns", default=os.environ.get(NS_VAR) or f"demo-{time.strftime('%Y%m%d-%H%M%S')}",
                    help="namespace of the run (default: $TRAJPIPE_NS, else demo-<time>)")
     p.add_argument("--sources", default="reverse")
+    p.add_argument("--curriculum", type=int, default=0,
+                   help="rollout workers skip tasks (after N attempts) and domains (after 4N) always or never solved; "
+                        "0: off")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--sft-updates", type=int, default=100, help="updates imitating demonstrations")
     p.add_argument("--rl-updates", type=int, default=80, help="GRPO updates after the SFT phase")
@@ -357,7 +361,8 @@ def parser() -> argparse.ArgumentParser:
                    help="learner learning-rate warmup over the first N updates (default: a tenth of --sft-updates)")
     p.add_argument("--lr", type=float, default=3e-4, help="learning rate of the RL phase")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="smollm2: the real pretrained SmolLM2-135M-Instruct on word-problem addition (GRPO only)")
+                   help="smollm2: the real pretrained SmolLM2-135M-Instruct on word-problem addition (GRPO only); "
+                        "domains: every reasoning-gym dataset mixed (rg:*), with the curriculum")
     p.add_argument("--model", default=None, help="a pretrained model by name (smollm2-135m) or a local HF folder; "
                                                  "default: the small byte-level model")
     p.add_argument("--backend", default="transformers", choices=["transformers", "vllm"],
@@ -377,6 +382,11 @@ def parser() -> argparse.ArgumentParser:
 # A real pretrained model: SmolLM2-135M-Instruct answering "What is a + b?" (a, b in 1..20) in words.
 # No SFT phase (it is instruction-tuned already): GRPO teaches it to answer right and short.
 PRESETS: dict[str, dict[str, Any]] = {
+    # Every reasoning-gym dataset as its own domain, mixed equally, with the curriculum retiring domains the
+    # policy always or never solves (16 pooled attempts) and probing them again now and then; held-out success
+    # is over the whole mixture, per domain in the monitor's report.
+    "domains": {"sources": "rg:*", "curriculum": 4, "sft_updates": 60, "rl_updates": 30, "max_new_tokens": 32,
+                "minutes": 30.0},
     # A checkpoint of this model is 1.6 GB with its optimizer: one every 2 updates, the last 2 and every 10th
     # kept. Few of its groups are all right or all wrong, so 1.25x what the learner trains is generated; one
     # partition, so that a step's two groups make one full batch (two would make two half batches); a version

@@ -32,6 +32,7 @@ class WorkerSettings:
     seed: int = 0
     follow_checkpoints: bool = True
     curriculum_min_attempts: int = 0  # 0: no curriculum
+    curriculum_probe: float = 0.05  # share of draws that ignore the curriculum's verdicts (retired tasks come back)
     max_episodes_per_version: int | None = None  # then wait (bounded) for a newer checkpoint: bounds staleness
     quota_wait_s: float = 60.0
     split: str = "train"  # train | heldout | all: held-out tasks are for evaluation only
@@ -60,6 +61,7 @@ class WorkerSettings:
             (not (self.own_weights and self.follow_checkpoints),
              "--own-weights is for a worker that does not follow checkpoints: add --no-follow"),
             (self.demonstrations >= 0, f"--demonstrations must be >= 0, got {self.demonstrations}"),
+            (0.0 <= self.curriculum_probe <= 1.0, f"--curriculum-probe must be in [0, 1], got {self.curriculum_probe}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -107,6 +109,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-follow", action="store_true", help="do not hot-load published checkpoints")
     p.add_argument("--curriculum", type=int, default=0, help="skip tasks always/never solved after N attempts")
+    p.add_argument("--curriculum-probe", type=float, default=0.05,
+                   help="share of draws that ignore the curriculum, so a task or domain the policy learns later "
+                        "comes back; when every task is retired, every draw is a probe (0: stop instead)")
     p.add_argument("--max-episodes-per-version", type=int, default=None,
                    help="episodes generated with one policy version before waiting for a newer one")
     p.add_argument("--quota-wait-s", type=float, default=60.0,
@@ -136,6 +141,7 @@ def from_args(argv: list[str] | None = None) -> WorkerSettings:
         temperature=args.temperature, max_new_tokens=args.max_new_tokens, max_policy_lag=args.max_policy_lag,
         sandbox=args.sandbox, sandbox_workers=args.sandbox_workers, episodes=args.episodes, seed=args.seed,
         follow_checkpoints=not args.no_follow, curriculum_min_attempts=args.curriculum,
+        curriculum_probe=args.curriculum_probe,
         max_episodes_per_version=args.max_episodes_per_version, quota_wait_s=args.quota_wait_s,
         split=args.split, init_checkpoint=args.init_checkpoint, layers=args.layers, width=args.width,
         own_weights=args.own_weights, demonstrations=args.demonstrations,

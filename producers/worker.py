@@ -101,7 +101,7 @@ class RolloutWorker:
     def _mixer(self) -> TaskMixer:
         s = self.settings
         sources = [SplitSource(seeded_source(name, s.seed), s.split) for name in environments.expand(expand(list(s.sources)))]
-        curriculum = Curriculum(s.curriculum_min_attempts, 4 * s.curriculum_min_attempts) \
+        curriculum = Curriculum(s.curriculum_min_attempts, 4 * s.curriculum_min_attempts, s.curriculum_probe) \
             if s.curriculum_min_attempts else None
         return TaskMixer(sources, s.weights or None, seed=s.seed, curriculum=curriculum)
 
@@ -209,6 +209,11 @@ class RolloutWorker:
         m.gauge("rollout/policy_version", float(self.backend.version), producer=worker)
         m.gauge("rollout/checkpoints_loaded", float(len(self.stats.versions_loaded)), producer=worker)
         m.gauge("rollout/checkpoints_refused", float(len(self.follower.refused)), producer=worker)
+        if self.mixer.curriculum is not None:
+            for reason, n in self.mixer.skips.items():
+                m.gauge("rollout/curriculum_skips", float(n), producer=worker, reason=reason)
+            m.gauge("rollout/curriculum_probes", float(self.mixer.probes), producer=worker)
+            m.gauge("rollout/curriculum_exhausted", float(self.mixer.exhausted), producer=worker)
         for version, seconds in self.stats.load_latencies:
             m.gauge("rollout/checkpoint_latency_s", seconds, producer=worker, version=str(version))
         self.stats.load_latencies.clear()
@@ -276,7 +281,8 @@ class RolloutWorker:
                 "statuses": self.stats.statuses, "tokens": self.stats.tokens, "events": self.sink.stats,
                 "generate_s": round(self.stats.generate_s, 2), "sandbox_s": round(self.stats.sandbox_s, 2),
                 "paused_s": round(self.stats.paused_s, 2), "versions_loaded": self.stats.versions_loaded,
-                "checkpoints_refused": self.follower.refused, "curriculum_skips": dict(self.mixer.skips)}
+                "checkpoints_refused": self.follower.refused, "curriculum_skips": dict(self.mixer.skips),
+                "curriculum_probes": self.mixer.probes, "curriculum_exhausted": self.mixer.exhausted}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

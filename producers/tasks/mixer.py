@@ -15,7 +15,7 @@ DOMAIN = "domain_"  # a skip of a whole source: domain_always_solved, domain_nev
 
 
 class TasksExhausted(PipelineError):
-    """Every task of every source is skipped by the curriculum."""
+    """Every task of every source is skipped by a curriculum that does not probe (probe=0)."""
 
 
 @dataclass(frozen=True)
@@ -24,11 +24,19 @@ class Curriculum:
     source (a domain) once the tasks drawn from it have `domain_min_attempts` attempts together, all passed
     or none (with a hundred domains, single tasks come round too rarely to gather attempts of their own).
 
-    Such a task gives every sample of a GRPO group the same reward: zero advantage, no gradient.
+    Such a task gives every sample of a GRPO group the same reward: zero advantage, no gradient. But the
+    policy changes: a `probe` share of draws ignores the verdicts, so a task or a domain the policy learns
+    later comes back (one pass ends "never solved"), and when every task is retired the draws go on as
+    probes instead of stopping the worker.
     """
 
     min_attempts: int = 8
     domain_min_attempts: int = 32
+    probe: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.probe <= 1.0:
+            raise ValueError(f"the curriculum's probe share must be in [0, 1], got {self.probe}")
 
     def verdict(self, attempts: int, passes: int, at_least: int | None = None) -> str | None:
         if attempts < (self.min_attempts if at_least is None else at_least):
@@ -77,6 +85,8 @@ class TaskMixer:
         mixer.update_stats(task.task_id, attempts=8, passes=8)   # from the TaskStats topic
         mixer.skips                                               # Counter: always_solved / never_solved,
                                                                   # domain_always_solved / domain_never_solved
+        mixer.probes, mixer.exhausted                             # draws that ignored the verdicts; of them,
+                                                                  # those made because everything was retired
     """
 
     def __init__(self, sources: Sequence[TaskSource], weights: Mapping[str, float] | None = None, seed: int = 0,
@@ -91,6 +101,8 @@ class TaskMixer:
         self.skips: Counter[str] = Counter()
         self.drawn: Counter[str] = Counter()
         self.drawn_ids: list[set[str]] = [set() for _ in self.sources]  # per source: the task ids it gave
+        self.probes = 0
+        self.exhausted = 0
         self._rng = random.Random(seed)
         self._cursors = [_Cursor(s, random.Random(f"{seed}:{s.name}")) for s in self.sources]
 
@@ -120,6 +132,9 @@ class TaskMixer:
         return None
 
     def next(self) -> Task:
+        probe = self.curriculum.probe if self.curriculum is not None else 0.0
+        if probe and self._rng.random() < probe:
+            return self._probe()
         live = list(range(len(self.sources)))
         while live:
             pick = self._rng.choices(live, weights=[self.weights[i] for i in live])[0]
@@ -128,12 +143,25 @@ class TaskMixer:
                 self.skips[domain] += 1
             task = self._draw_from(self._cursors[pick]) if self.weights[pick] > 0 and domain is None else None
             if task is not None:
-                self.drawn[self.sources[pick].name] += 1
-                self.drawn_ids[pick].add(task.task_id)
-                return task
+                return self._took(pick, task)
             live.remove(pick)
+        if probe:
+            self.exhausted += 1
+            return self._probe()
         raise TasksExhausted("the curriculum skips every task of every source (always or never solved); "
                              "add tasks or raise Curriculum.min_attempts")
+
+    def _probe(self) -> Task:
+        """A draw by weight alone, whatever the curriculum says of the task or its domain."""
+        live = [i for i, w in enumerate(self.weights) if w > 0]
+        pick = self._rng.choices(live, weights=[self.weights[i] for i in live])[0]
+        self.probes += 1
+        return self._took(pick, self._cursors[pick].next())
+
+    def _took(self, pick: int, task: Task) -> Task:
+        self.drawn[self.sources[pick].name] += 1
+        self.drawn_ids[pick].add(task.task_id)
+        return task
 
     def __iter__(self) -> "TaskMixer":
         return self

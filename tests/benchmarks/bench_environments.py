@@ -2,8 +2,8 @@
 
     python tests/benchmarks/bench_environments.py [--episodes 32] [--workers 2] [--rg-trajectories 2000]
 
-Terminal: a scripted policy (run `ls`, read the module, run the tests, write the fix, submit: the five tools)
-plays `--episodes` humaneval-bug and import-fix tasks in groups of 4 with `--workers` sandbox workers; prints
+Terminal: a scripted policy (run `ls`, read the module, run the tests, the task's fixing call — a write_file,
+or one run that rewrites two files —, submit) plays `--episodes` tasks of every family in groups of 4 with `--workers` sandbox workers; prints
 episodes/s, tool calls/s, each tool's latency (p50/p99 of the recorded duration_ms), and how the episodes'
 wall time splits between generating and waiting on tools (a scripted policy generates in no time: the
 split of a real model is its generation time against the tool time measured here). Reasoning-gym: the
@@ -52,9 +52,9 @@ def terminal(episodes: int, workers: int) -> list[Figure]:
         for i in range(episodes // 4):
             task = source[i * 7]
             module = next(p for p in task.spec["files"] if p.endswith(".py") and not p.startswith("test_"))
-            fix = parse_call(task.demonstration or "").arguments["content"]
-            script = [call("run", command="ls"), call("read_file", path=module), call("run_tests"),
-                      call("write_file", path=module, content=fix), call("submit")]
+            fix = task.demonstration or ""  # one write_file, or one run that rewrites two files (humaneval-split)
+            script = [call("run", command="ls"), call("read_file", path=module), call("run_tests"), fix,
+                      call("submit")]
             summary = EpisodeRunner(ScriptedPolicy(script), runner, events.append, settings,
                                     max_context=1 << 16).run_step([task])
             generate_s, sandbox_s = generate_s + summary.generate_s, sandbox_s + summary.sandbox_s

@@ -80,3 +80,14 @@ def test_a_pretrained_run_without_sft_is_judged_by_its_gain_over_v0_in_time() ->
                                     "(goal +0.1 within 45 min: met)"]
     slow = [results[0], {**results[1], "seconds": 50 * 60.0}]
     assert goals(slow, args)[0].endswith("NOT met)")
+
+
+def test_the_domains_preset_mixes_every_reasoning_gym_dataset_under_the_curriculum() -> None:
+    args = apply_preset(parser().parse_args(["--preset", "domains"]), ["--preset", "domains"])
+    workers = [s for s in plan(args, "ns") if s.name.startswith("producer")]
+    for worker in workers:
+        argv = worker.argv
+        assert argv[argv.index("--sources") + 1] == "rg:*" and argv[argv.index("--curriculum") + 1] == "4"
+    demos = next(s for s in plan(args, "ns") if s.name == "demonstrations").argv
+    assert "--curriculum" not in demos  # demonstrations are gold answers: nothing to retire
+    assert apply_preset(parser().parse_args([]), []).curriculum == 0

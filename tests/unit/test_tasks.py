@@ -278,7 +278,7 @@ def test_curriculum_skips_always_and_never_solved_tasks() -> None:
     stats[ids[50]] = (9, 0)      # never solved: skipped
     stats[ids[51]] = (7, 7)      # too few attempts to judge: kept
     stats[ids[52]] = (8, 3)      # mixed results: kept
-    mixer = TaskMixer([source], seed=0, stats=stats, curriculum=Curriculum(min_attempts=8))
+    mixer = TaskMixer([source], seed=0, stats=stats, curriculum=Curriculum(min_attempts=8, probe=0.0))
     drawn = {mixer.next().task_id for _ in range(60)}
     assert drawn == set(ids[51:])
     assert mixer.skips["always_solved"] > 0 and mixer.skips["never_solved"] > 0
@@ -288,7 +288,7 @@ def test_curriculum_stops_drawing_from_domains_always_or_never_solved() -> None:
     from producers.tasks.strings import StringReversalSource
 
     sources = [DigitAdditionSource(seed=0), TableQASource(size=500), StringReversalSource(seed=0)]
-    mixer = TaskMixer(sources, seed=0, curriculum=Curriculum(min_attempts=8, domain_min_attempts=16))
+    mixer = TaskMixer(sources, seed=0, curriculum=Curriculum(min_attempts=8, domain_min_attempts=16, probe=0.0))
     passes = {"math": 1, "table": 2, "text": 0}  # of 2 attempts: mixed, always solved, never solved
     drawn = []
     for _ in range(300):
@@ -303,7 +303,7 @@ def test_curriculum_stops_drawing_from_domains_always_or_never_solved() -> None:
 
 def test_curriculum_follows_updated_stats_and_can_be_disabled() -> None:
     source = DigitAdditionSource(seed=0)
-    mixer = TaskMixer([source], seed=0, curriculum=Curriculum(min_attempts=2))
+    mixer = TaskMixer([source], seed=0, curriculum=Curriculum(min_attempts=2, probe=0.0))
     for i in range(len(source)):
         mixer.update_stats(source[i].task_id, attempts=2, passes=2)
     with pytest.raises(TasksExhausted):
@@ -313,11 +313,43 @@ def test_curriculum_follows_updated_stats_and_can_be_disabled() -> None:
     assert free.next().domain == "math" and not free.skips
 
 
+def test_a_retired_domain_is_probed_and_comes_back_once_the_policy_solves_it() -> None:
+    """A domain never solved by the early policy is not retired for good: a share of draws probes retired tasks
+    and domains, and one pass brings the domain back. Before, it stayed out for the rest of the run."""
+    from producers.tasks.strings import StringReversalSource
+
+    sources = [DigitAdditionSource(seed=0), StringReversalSource(seed=0)]
+    mixer = TaskMixer(sources, seed=0, curriculum=Curriculum(min_attempts=8, domain_min_attempts=16, probe=0.1))
+    learned = False
+    drawn = []
+    for i in range(2000):
+        task = mixer.next()
+        solved = task.domain == "math" or learned
+        mixer.update_stats(task.task_id, attempts=2, passes=1 if solved else 0)
+        drawn.append(task.domain)
+        learned = learned or i == 1000  # the policy learns to reverse words half-way
+    early, late = drawn[200:1000], drawn[1200:]
+    assert 0.02 < early.count("text") / len(early) < 0.1  # retired: about half the 0.1 probe share
+    assert late.count("text") / len(late) > 0.4  # back in the mix (equal weights)
+    assert mixer.probes > 0
+
+
+def test_when_every_task_is_retired_the_worker_keeps_drawing_probes_instead_of_stopping() -> None:
+    """Every domain never solved (a small model on a hundred reasoning-gym datasets): the rollout worker used to
+    raise TasksExhausted, exit 2 and be restarted into the same state; now it goes on probing."""
+    source = DigitAdditionSource(seed=0)
+    mixer = TaskMixer([source], seed=0, curriculum=Curriculum(min_attempts=2))
+    for i in range(len(source)):
+        mixer.update_stats(source[i].task_id, attempts=2, passes=0)
+    assert [mixer.next().domain for _ in range(10)] == ["math"] * 10
+    assert mixer.probes == 10 and mixer.exhausted >= 8 and mixer.skips["never_solved"] > 0
+
+
 def test_exhausted_source_falls_back_to_the_others() -> None:
     easy, table = DigitAdditionSource(seed=0), TableQASource(size=10)
     stats = {easy[i].task_id: (4, 0) for i in range(len(easy))}
     mixer = TaskMixer([easy, table], {"math": 0.99, "table": 0.01}, seed=0, stats=stats,
-                      curriculum=Curriculum(min_attempts=4))
+                      curriculum=Curriculum(min_attempts=4, probe=0.0))
     assert {mixer.next().domain for _ in range(20)} == {"table"}
 
 
