@@ -31,7 +31,7 @@ from producers.sandbox.base import (
     host_interpreter,
     interpreter_prefix,
 )
-from producers.sandbox.cgroups import GROUPS
+from producers.sandbox.cgroups import RunCgroup
 from producers.sandbox.process import run_process
 from producers.sandbox.results import Limits
 from producers.sandbox.workdir import JOB_FILES, REPORT_MAX_BYTES
@@ -72,7 +72,7 @@ class BwrapBackend:
         uid = identity.fresh_uid() if self._setpriv else None
         inputs = {name: os.open(workdir / name, os.O_RDONLY) for name in JOB_FILES if (workdir / name).exists()}
         report_r, report_w = os.pipe()
-        group = GROUPS.acquire(limits.run_memory_bytes, limits.processes + PROCESS_HEADROOM) \
+        group = RunCgroup.create(limits.run_memory_bytes, limits.processes + PROCESS_HEADROOM) \
             if self.bounds_run_memory else None
         try:
             argv = self.argv(inputs, report_w, limits, uid)
@@ -88,7 +88,7 @@ class BwrapBackend:
                 if fd >= 0:
                     os.close(fd)
             if group is not None:
-                GROUPS.release(group)
+                group.remove()
         return _decode_status(raw)
 
     def argv(self, inputs: dict[str, int], report_fd: int, limits: Limits, uid: int | None) -> list[str]:

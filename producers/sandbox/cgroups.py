@@ -1,15 +1,10 @@
 """A memory and process bound for a whole run (every process of it, and the tmpfs pages it writes).
 
-    group = GROUPS.acquire(memory_bytes=1 << 30, processes=64)     # None where no cgroup can be made
+    group = RunCgroup.create(memory_bytes=1 << 30, processes=64)   # None where no cgroup can be made
     argv = group.wrap(argv)                                        # joins the group, then execs argv
     ...run it...
     group.oom_killed()                                             # did the limit kill something?
-    GROUPS.release(group)                                          # emptied and reset off the run's path
-
-A group is used again by later runs with the same limits once it is empty (what is left of its run killed)
-and its counters are reset; one whose run hit its memory limit is removed instead. Removing a group a run
-has charged takes about 7 ms here, often waiting for the run's last processes to exit; making and removing
-one per run cost a fifth of the sandbox's throughput.
+    group.remove()
 
 cgroup v2 when the unified hierarchy at /sys/fs/cgroup (or /sys/fs/cgroup/unified) has the memory and
 pids controllers enabled for a child, else v1's memory and pids hierarchies. Creating groups needs write
@@ -17,14 +12,11 @@ access to them (root, or a delegated subtree); `unavailable_reason()` says why n
 """
 from __future__ import annotations
 
-import atexit
 import functools
 import os
-import queue
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -81,7 +73,6 @@ def unavailable_reason() -> Optional[str]:
 class RunCgroup:
     layout: Layout
     dirs: tuple[Path, ...]
-    limits: tuple[int, int] = (0, 0)  # (memory bytes, processes)
 
     @classmethod
     def create(cls, memory_bytes: int, processes: int) -> Optional["RunCgroup"]:
@@ -115,7 +106,7 @@ class RunCgroup:
         except OSError:
             RunCgroup(where, tuple(dirs)).remove()
             raise
-        return cls(where, tuple(dirs), (memory_bytes, processes))
+        return cls(where, tuple(dirs))
 
     def wrap(self, argv: list[str]) -> list[str]:
         """argv run by a shell that first moves itself into every group of the run (children follow)."""
@@ -150,34 +141,6 @@ class RunCgroup:
                     self._kill_all(d)
                     time.sleep(0.02)
 
-    def reset(self) -> bool:
-        """Empty the group (kill what is left of its run) and zero its counters: True when it can be used
-        again, False when it cannot (its run hit the memory limit, or a process would not leave)."""
-        if self.oom_killed():
-            return False
-        for _ in range(50):
-            if not any(self._processes(d) for d in self.dirs):
-                break
-            for d in self.dirs:
-                self._kill_all(d)
-            time.sleep(0.02)
-        else:
-            return False
-        if self.layout.version == 1:  # v2 has no failure counter to clear (its oom_kill count is checked above)
-            try:
-                for name in ("memory.failcnt", "memory.max_usage_in_bytes"):
-                    (self.dirs[0] / name).write_text("0")
-            except OSError:
-                return False
-        return True
-
-    @staticmethod
-    def _processes(d: Path) -> list[str]:
-        try:
-            return (d / "cgroup.procs").read_text().split()
-        except OSError:
-            return []
-
     @staticmethod
     def _kill_all(d: Path) -> None:
         try:
@@ -189,79 +152,3 @@ class RunCgroup:
                 os.kill(int(pid), 9)
             except (ProcessLookupError, PermissionError, ValueError):
                 pass
-
-
-@dataclass
-class GroupPool:
-    """Run groups kept for the next run with the same limits; a released group is reset by a reaper thread."""
-
-    keep: int = 4  # idle groups kept per limits
-    _idle: dict[tuple[int, int], list[RunCgroup]] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _returned: "queue.SimpleQueue[RunCgroup | threading.Event]" = field(default_factory=queue.SimpleQueue)
-    _reaper: Optional[threading.Thread] = None
-    _pid: int = field(default_factory=os.getpid)
-
-    def acquire(self, memory_bytes: int, processes: int) -> Optional[RunCgroup]:
-        with self._lock:
-            self._forget_if_forked()
-            idle = self._idle.get((memory_bytes, processes))
-            if idle:
-                return idle.pop()
-        return RunCgroup.create(memory_bytes, processes)
-
-    def release(self, group: RunCgroup) -> None:
-        with self._lock:
-            self._forget_if_forked()
-            if self._reaper is None:
-                self._reaper = threading.Thread(target=self._reap, name="cgroup-reaper", daemon=True)
-                self._reaper.start()
-        self._returned.put(group)
-
-    def idle(self) -> list[RunCgroup]:
-        with self._lock:
-            return [g for groups in self._idle.values() for g in groups]
-
-    def drain(self, timeout: float = 5.0) -> None:
-        """Wait until every released group is reset or removed (tests; close)."""
-        if self._reaper is None:
-            return
-        done = threading.Event()
-        self._returned.put(done)
-        done.wait(timeout)
-
-    def close(self) -> None:
-        """Remove the idle groups (at exit): a group is never left behind by a process that ends normally."""
-        if os.getpid() == self._pid:
-            self.drain()
-        with self._lock:
-            groups, self._idle = [g for gs in self._idle.values() for g in gs], {}
-        for group in groups:
-            group.remove()
-
-    def _reap(self) -> None:
-        while True:
-            group = self._returned.get()
-            if isinstance(group, threading.Event):
-                group.set()
-            else:
-                self._settle(group)
-
-    def _settle(self, group: RunCgroup) -> None:
-        if group.reset():
-            with self._lock:
-                idle = self._idle.setdefault(group.limits, [])
-                if len(idle) < self.keep:
-                    idle.append(group)
-                    return
-        group.remove()
-
-    def _forget_if_forked(self) -> None:
-        """A forked child must not share its parent's idle groups (two runs in one group) nor its reaper."""
-        if os.getpid() != self._pid:
-            self._idle, self._reaper, self._pid = {}, None, os.getpid()
-            self._returned = queue.SimpleQueue()
-
-
-GROUPS = GroupPool()
-atexit.register(GROUPS.close)

@@ -24,6 +24,7 @@ from producers.sandbox import (  # noqa: E402
     choose_backend,
     unavailable_reason,
 )
+from tests.benchmarks.report import Figure, record  # noqa: E402
 
 WARMUP_JOBS = 4
 
