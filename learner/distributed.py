@@ -22,7 +22,7 @@ import torch
 
 T = TypeVar("T")
 
-NOOP, TRAIN, STOP, START = 0, 1, 2, 3
+NOOP, TRAIN, STOP, START, SAVE = 0, 1, 2, 3, 4  # SAVE: gather the sharded (--fsdp) state for a checkpoint
 HEARTBEAT_S = 10.0  # rank 0 idle for want of data still speaks this often, so a rank that waits can tell
 
 
@@ -170,5 +170,5 @@ def unpack(data: bytes) -> list[bytes]:
     return out
 
 
-__all__ = ["NOOP", "START", "STOP", "TRAIN", "World", "join", "pack", "rank_device", "unpack"]
+__all__ = ["NOOP", "SAVE", "START", "STOP", "TRAIN", "World", "join", "pack", "rank_device", "unpack"]
 

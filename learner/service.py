@@ -19,10 +19,10 @@ from consumers.batch_reader import BatchReader, LoadedBatch, ShardCache
 from infra.kafka import Publisher
 from infra.objectstore import ObjectStore
 from infra.settings import Settings
-from learner import checkpoint_store
+from learner import checkpoint_store, sharding
 from learner.checkpoint_files import file_entries, load_model_tensors, read_checkpoint, write_checkpoint
 from infra.faults import fault_point
-from learner.distributed import START, STOP, TRAIN, World, join, pack, rank_device, unpack
+from learner.distributed import SAVE, START, STOP, TRAIN, World, join, pack, rank_device, unpack
 from learner.model import build_policy, frozen_reference
 from learner.settings import LearnerSettings, shaping_args
 from learner.update import Lineage, TrainConfig, Trainer
@@ -45,7 +45,7 @@ def train_config(s: LearnerSettings, algorithm: str) -> TrainConfig:
                        max_len=s.max_len, grad_checkpointing=s.grad_checkpointing, seed=s.seed,
                        weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm, clip_eps_high=s.clip_eps_high,
                        beta=s.beta, loss_agg=s.loss_agg, lag_decay=s.lag_decay, sft_min_reward=s.sft_min_reward,
-                       cpu_bf16=s.cpu_bf16)
+                       cpu_bf16=s.cpu_bf16, fsdp=s.fsdp)
 
 
 def model_from_config(config: dict[str, Any]) -> Any:
@@ -162,6 +162,9 @@ class Follower(PolicyHolder):
             kind, version, updates, payload = self.world.receive()
             if kind == STOP:
                 break
+            if kind == SAVE:  # rank 0 writes a checkpoint of sharded weights: every rank gathers them
+                self.trainer.state_dict_for_checkpoint()
+                continue
             if kind != TRAIN:
                 continue
             self.version, self.updates = version, updates
@@ -227,6 +230,8 @@ class LearnerService(PolicyHolder):
             self.version += 1
         offsets = self.reader.positions()
         self.trained_ids = carried_ids(self.trained_ids, self.pending_ids)
+        if sharding.is_sharded(self.trainer.model):
+            self.world.send(SAVE, self.version, self.updates)
         state = self.trainer.state_dict_for_checkpoint()
         state.trainer.update(updates=self.updates, version=self.version, trained_batch_ids=self.trained_ids,
                              learner_args=shaping_args(self.s))

@@ -52,6 +52,7 @@ class LearnerSettings:
     lag_decay: float = 0.5  # --lag-mode downweight: weight = lag_decay ** (lag - max_policy_lag)
     sft_min_reward: float = 1.0  # a scored trajectory SFT imitates needs at least this reward
     cpu_bf16: bool = False
+    fsdp: bool = False  # under torchrun: FSDP2 shards weights, gradients and Adam moments over the ranks
     device: str = "auto"  # auto: cuda when available, else cpu
     init: str | None = None  # "RUN:vK": start from run RUN's checkpoint K; its trajectories' lag counts from there
     replica_of: tuple[str, ...] = ()  # runs whose versions are this run's own (a rebuild of them)
@@ -161,6 +162,9 @@ def parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
                    help="--lag-mode downweight: weight = lag_decay ** (lag - max_policy_lag)")
     p.add_argument("--sft-min-reward", type=float, default=1.0, help="reward a trajectory needs for SFT")
     p.add_argument("--cpu-bf16", action="store_true", help="bfloat16 autocast on the CPU")
+    p.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: shard weights, gradients and Adam moments over the ranks (FSDP2), for a "
+                        "model that does not fit one device; checkpoints stay whole")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
     p.add_argument("--init", default=None, metavar="RUN:vK",
                    help="start from run RUN's checkpoint K (retraining from its history): the policy lag of RUN's "
@@ -217,7 +221,7 @@ def from_args(argv: list[str] | None = None, env: Optional[Mapping[str, str]] = 
         model_dir=resolve_model(a.model_dir) if a.model_dir else None, seed=a.seed, prefetch=a.prefetch, cache_dir=str(Path(a.cache_dir)),
         cache_bytes=a.cache_bytes, grad_checkpointing=a.grad_checkpointing, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm,
         clip_eps_high=a.clip_eps_high, beta=a.beta, loss_agg=a.loss_agg, lag_decay=a.lag_decay,
-        sft_min_reward=a.sft_min_reward, cpu_bf16=a.cpu_bf16, device=a.device, init=a.init,
+        sft_min_reward=a.sft_min_reward, cpu_bf16=a.cpu_bf16, fsdp=a.fsdp, device=a.device, init=a.init,
         replica_of=tuple(a.replica_of), keep_last=a.keep_last, keep_every=a.keep_every,
     )
 

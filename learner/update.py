@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from learner import sharding
 from learner.batching import Batch, collate
 from learner.checkpoint_files import (
     CheckpointState,
@@ -83,6 +84,7 @@ class TrainConfig:
     sft_min_reward: float = 1.0
     grad_checkpointing: bool = False
     cpu_bf16: bool = False
+    fsdp: bool = False                  # under torchrun: shard weights, gradients and moments over the ranks
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -286,6 +288,7 @@ class Trainer:
         torch.manual_seed(config.seed)  # nothing here samples, but a model with dropout draws from it
         self.model, self.config, self.lineage = model, config, lineage
         self.world = world or World()  # under torchrun: this rank backpropagates its share, gradients summed
+        self.fsdp = config.fsdp and self.world.distributed
         set_grad_checkpointing(model, config.grad_checkpointing)
         # On resume pass the base model as `reference`: a copy of the restored policy would move the anchor.
         if reference is None and config.needs_reference:
@@ -306,6 +309,7 @@ class Trainer:
                    "policy_lag/token_mean": token_lag(selection.kept, current_version, self.lineage)}
         batches, pairing = self.micro_batches(selection.kept)
         metrics.update(pairing)
+        self.shard_once()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         metrics.update(self.accumulate(batches))
@@ -324,21 +328,44 @@ class Trainer:
         counts = {"pairs/built": float(len(pairs)), "pairs/skipped_groups": float(skipped)}
         return [collate(pair_items(chunk), self.config.max_len) for chunk in chunks], counts
 
+    def shard_once(self) -> None:
+        """--fsdp: shard the policy before its first update here, and move the optimizer's moments (a restored
+        or carried state, whole on every rank) into the shards."""
+        if not self.fsdp or sharding.is_sharded(self.model):
+            return
+        names, state = [name for name, _ in self.named_params], self.optimizer.state_dict()
+        group = self.optimizer.param_groups[0]
+        sharding.shard(self.model)
+        self.named_params = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW([p for _, p in self.named_params], lr=group["lr"],
+                                           weight_decay=group["weight_decay"])
+        if state["state"]:
+            sharding.load_full_optimizer_state(self.model, self.optimizer, state, names)
+
     def accumulate(self, batches: Sequence[Batch]) -> dict[str, float]:
         """Backward over every micro-batch, each scaled by its share of the loss denominator, so the summed
         gradient equals that of the whole batch in one piece; under torchrun the whole batch is every rank's
-        micro-batches, and the gradients and figures are summed over the ranks."""
+        micro-batches, and the gradients and figures are summed over the ranks. Sharded (--fsdp), every rank
+        makes grad_accum passes (a dummy one where it has no micro-batch: each pass is a collective) and the
+        reduce-scatter averages the ranks' gradients, which the loss undoes by scaling with the world size."""
         sizes = [self.denominator(batch) for batch in batches]
         whole = self.world.total(sum(sizes))
         metrics = token_stats(batches)
-        for batch, size in zip(batches, sizes):
-            if size == 0:
+        scale = float(self.world.size) if self.fsdp else 1.0
+        slots: list[tuple[Batch | None, float]] = list(zip(batches, sizes))
+        if self.fsdp:
+            slots += [(None, 0.0)] * (self.config.grad_accum - len(slots))
+        for batch, size in slots:
+            if batch is None or size == 0:
+                if self.fsdp:
+                    sharding.dummy_pass(self.model, self.device)
                 continue
             share = size / whole  # the micro-batch's part of the whole batch's mean
             loss, parts = self.loss(batch.to(self.device))
-            (loss * share).backward()
+            (loss * share * scale).backward()
             add_weighted(metrics, parts, share)
-        self.world.sum_gradients([p for _, p in self.named_params])
+        if not self.fsdp:
+            self.world.sum_gradients([p for _, p in self.named_params])
         return self.world.sum_metrics(metrics)
 
     def denominator(self, batch: Batch) -> float:
@@ -388,7 +415,7 @@ class Trainer:
     def apply_gradients(self) -> dict[str, float]:
         """Clip and step; a non-finite gradient skips the update (counted) instead of poisoning the weights."""
         params = [p for _, p in self.named_params]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
+        grad_norm = sharding.as_float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             return {"stats/grad_norm": grad_norm, "train/updated": 0.0, "train/nonfinite_grad": 1.0,
@@ -401,10 +428,15 @@ class Trainer:
     # --- checkpoint state: flat tensors + JSON, never pickle -----------------------------------------------
 
     def state_dict_for_checkpoint(self) -> CheckpointState:
-        optimizer = flatten_optimizer_state(self.optimizer.state_dict())
+        """Whole weights and moments; sharded (--fsdp), every rank must call it and only rank 0's is whole."""
+        if sharding.is_sharded(self.model):
+            weights, moments = sharding.full_state(self.model, self.optimizer, [name for name, _ in self.named_params])
+        else:
+            weights, moments = model_tensors(self.model), self.optimizer.state_dict()
+        optimizer = flatten_optimizer_state(moments) if moments else OptimizerState({}, {"param_groups": []})
         optimizer.meta["param_names"] = [name for name, _ in self.named_params]
         return CheckpointState(
-            model=model_tensors(self.model),
+            model=weights,
             model_config=json.loads(self.model.config.to_json_string(use_diff=False)),
             optimizer=optimizer,
             trainer={"step": self.step_count, "algorithm": self.config.algorithm, "config": asdict(self.config)},

@@ -76,3 +76,22 @@ def test_a_rank_killed_mid_update_restarts_the_job_from_the_last_announced_check
     assert [m.version for m in lineage] == list(range(len(lineage)))
     calm = uninterrupted(stack, store, topics, tmp_path)
     assert_same_weights(store, topics.ns, calm, lineage[-1].version)
+
+
+def test_fsdp_ranks_train_the_weights_one_process_does_and_resume_with_the_moments_sharded_again(
+        stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
+    """--fsdp: every weight, gradient and Adam moment sharded over 2 ranks; the checkpoints gathered whole (rank
+    1 takes part in each), and a resumed job moves the restored moments into its shards again."""
+    published = publish_batches(stack, store, topics, 12)
+    proc = run_learner(stack, topics.ns, tmp_path, None, *FLAGS, "--fsdp", "--max-updates", "4", launch=TWO_RANKS)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run_learner(stack, topics.ns, tmp_path, None, *FLAGS, "--fsdp", launch=TWO_RANKS)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resumed v2 after 4 updates" in proc.stderr
+    lineage = announced_lineage(stack, store, topics)
+    trained = [b for m in lineage for b in m.batch_ids] + [b for m in lineage for b in m.skipped_batches]
+    assert sorted(trained) == sorted(published)
+
+    calm = uninterrupted(stack, store, topics, tmp_path)
+    for manifest in lineage[1:]:
+        assert_same_weights(store, topics.ns, calm, manifest.version)
