@@ -361,8 +361,7 @@ def parser() -> argparse.ArgumentParser:
                    help="learner learning-rate warmup over the first N updates (default: a tenth of --sft-updates)")
     p.add_argument("--lr", type=float, default=3e-4, help="learning rate of the RL phase")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="smollm2: the real pretrained SmolLM2-135M-Instruct on word-problem addition (GRPO only); "
-                        "domains: every reasoning-gym dataset mixed (rg:*), with the curriculum")
+                   help="smollm2: the real pretrained SmolLM2-135M-Instruct on word-problem addition (GRPO only)")
     p.add_argument("--model", default=None, help="a pretrained model by name (smollm2-135m) or a local HF folder; "
                                                  "default: the small byte-level model")
     p.add_argument("--backend", default="transformers", choices=["transformers", "vllm"],
@@ -382,11 +381,6 @@ def parser() -> argparse.ArgumentParser:
 # A real pretrained model: SmolLM2-135M-Instruct answering "What is a + b?" (a, b in 1..20) in words.
 # No SFT phase (it is instruction-tuned already): GRPO teaches it to answer right and short.
 PRESETS: dict[str, dict[str, Any]] = {
-    # Every reasoning-gym dataset as its own domain, mixed equally, with the curriculum retiring domains the
-    # policy always or never solves (16 pooled attempts) and probing them again now and then; held-out success
-    # is over the whole mixture, per domain in the monitor's report.
-    "domains": {"sources": "rg:*", "curriculum": 4, "sft_updates": 60, "rl_updates": 30, "max_new_tokens": 32,
-                "minutes": 30.0},
     # A checkpoint of this model is 1.6 GB with its optimizer: one every 2 updates, the last 2 and every 10th
     # kept. Few of its groups are all right or all wrong, so 1.25x what the learner trains is generated; one
     # partition, so that a step's two groups make one full batch (two would make two half batches); a version

@@ -251,6 +251,8 @@ def shaping_args(s: LearnerSettings) -> list[str]:
         args += ["--clip-eps-high", repr(s.clip_eps_high)]
     if s.cpu_bf16:
         args.append("--cpu-bf16")
+    if s.fsdp:  # the same weights as without it (within float tolerance); one process ignores it
+        args.append("--fsdp")
     if s.init is not None:
         args += ["--init", s.init]
     for run in s.replica_of:

@@ -71,7 +71,8 @@ def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opt
     # In parameter order, each parameter's keys sorted: gathering them again for a checkpoint walks this order,
     # one collective per value, and every rank must walk the same one.
     for index in sorted(state["state"], key=int):
-        param, per_param = params[names[int(index)]], state["state"][index]
+        param: Any = params[names[int(index)]]  # a DTensor: its mesh and placements say how it is cut
+        per_param = state["state"][index]
         optimizer.state[param] = {
             key: distribute_tensor(value.to(param.device, param.dtype), param.device_mesh, param.placements,
                                    src_data_rank=None)

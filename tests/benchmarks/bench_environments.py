@@ -80,7 +80,7 @@ def terminal(episodes: int, workers: int) -> list[Figure]:
     return [Figure("terminal episodes/s (scripted policy, 5 tool calls each)", len(done) / wall, "episodes/s"),
             Figure("terminal tool calls/s", len(results) / wall, "calls/s"),
             Figure("run_tests p50", percentile(by_tool["run_tests"], 0.5), "ms"),
-            Figure("terminal submits passed", passed / max(1, len(done)), "of the episodes")]
+            Figure("terminal submits passed", 100 * passed / max(1, len(done)), "% of the episodes")]
 
 
 def reasoning_gym(n: int) -> list[Figure]:

@@ -82,12 +82,12 @@ def test_a_pretrained_run_without_sft_is_judged_by_its_gain_over_v0_in_time() ->
     assert goals(slow, args)[0].endswith("NOT met)")
 
 
-def test_the_domains_preset_mixes_every_reasoning_gym_dataset_under_the_curriculum() -> None:
-    args = apply_preset(parser().parse_args(["--preset", "domains"]), ["--preset", "domains"])
-    workers = [s for s in plan(args, "ns") if s.name.startswith("producer")]
-    for worker in workers:
-        argv = worker.argv
-        assert argv[argv.index("--sources") + 1] == "rg:*" and argv[argv.index("--curriculum") + 1] == "4"
+def test_the_demo_passes_its_curriculum_to_the_rollout_workers_only() -> None:
+    argv = ["--sources", "rg:*", "--curriculum", "4"]
+    args = apply_preset(parser().parse_args(argv), argv)
+    for worker in [s for s in plan(args, "ns") if s.name.startswith("producer")]:
+        assert worker.argv[worker.argv.index("--sources") + 1] == "rg:*"
+        assert worker.argv[worker.argv.index("--curriculum") + 1] == "4"
     demos = next(s for s in plan(args, "ns") if s.name == "demonstrations").argv
     assert "--curriculum" not in demos  # demonstrations are gold answers: nothing to retire
     assert apply_preset(parser().parse_args([]), []).curriculum == 0
