@@ -38,6 +38,18 @@ def assert_same_weights(store: ObjectStore, ns: str, other: str, version: int) -
         torch.testing.assert_close(tensor, theirs[name], rtol=0, atol=1e-5, msg=f"v{version} {name}")
 
 
+def assert_each_batch_once_and_the_uninterrupted_weights(stack: Settings, store: ObjectStore, topics: Topics,
+                                                         tmp: Path, published: list[str]) -> None:
+    """Every published batch trained (or skipped) once over the lineage, and at every version the weights one
+    uninterrupted process makes of the same batches."""
+    lineage = announced_lineage(stack, store, topics)
+    trained = [b for m in lineage for b in m.batch_ids] + [b for m in lineage for b in m.skipped_batches]
+    assert sorted(trained) == sorted(published)
+    calm = uninterrupted(stack, store, topics, tmp)
+    for manifest in lineage[1:]:
+        assert_same_weights(store, topics.ns, calm, manifest.version)
+
+
 def test_two_ranks_train_the_weights_one_process_does_and_a_run_resumes_on_one_rank(
         stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
     published = publish_batches(stack, store, topics, 12)
@@ -50,13 +62,7 @@ def test_two_ranks_train_the_weights_one_process_does_and_a_run_resumes_on_one_r
     proc = run_learner(stack, topics.ns, tmp_path, None, *FLAGS)  # the rest on one process
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed v{halfway.version}" in proc.stderr
-    lineage = announced_lineage(stack, store, topics)
-    trained = [b for m in lineage for b in m.batch_ids] + [b for m in lineage for b in m.skipped_batches]
-    assert sorted(trained) == sorted(published)
-
-    calm = uninterrupted(stack, store, topics, tmp_path)
-    for manifest in lineage[1:]:
-        assert_same_weights(store, topics.ns, calm, manifest.version)
+    assert_each_batch_once_and_the_uninterrupted_weights(stack, store, topics, tmp_path, published)
 
 
 def test_a_rank_killed_mid_update_restarts_the_job_from_the_last_announced_checkpoint(
@@ -88,10 +94,4 @@ def test_fsdp_ranks_train_the_weights_one_process_does_and_resume_with_the_momen
     proc = run_learner(stack, topics.ns, tmp_path, None, *FLAGS, "--fsdp", launch=TWO_RANKS)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "resumed v2 after 4 updates" in proc.stderr
-    lineage = announced_lineage(stack, store, topics)
-    trained = [b for m in lineage for b in m.batch_ids] + [b for m in lineage for b in m.skipped_batches]
-    assert sorted(trained) == sorted(published)
-
-    calm = uninterrupted(stack, store, topics, tmp_path)
-    for manifest in lineage[1:]:
-        assert_same_weights(store, topics.ns, calm, manifest.version)
+    assert_each_batch_once_and_the_uninterrupted_weights(stack, store, topics, tmp_path, published)
