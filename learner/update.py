@@ -294,9 +294,7 @@ class Trainer:
         if reference is None and config.needs_reference:
             reference = frozen_reference(model)
         self.reference = reference
-        self.named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        params = [p for _, p in self.named_params]
-        self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+        self.bind_optimizer(config.lr, config.weight_decay)
         self.device = model_device(model)
         self.step_count = 0
         self.last_dropped: dict[str, str] = {}
@@ -328,17 +326,24 @@ class Trainer:
         counts = {"pairs/built": float(len(pairs)), "pairs/skipped_groups": float(skipped)}
         return [collate(pair_items(chunk), self.config.max_len) for chunk in chunks], counts
 
+    def bind_optimizer(self, lr: float, weight_decay: float) -> None:
+        """A fresh AdamW over the model's trainable parameters as they are now (whole, or FSDP shards)."""
+        self.named_params = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW([p for _, p in self.named_params], lr=lr, weight_decay=weight_decay)
+
+    @property
+    def param_names(self) -> list[str]:
+        return [name for name, _ in self.named_params]
+
     def shard_once(self) -> None:
         """--fsdp: shard the policy before its first update here, and move the optimizer's moments (a restored
         or carried state, whole on every rank) into the shards."""
         if not self.fsdp or sharding.is_sharded(self.model):
             return
-        names, state = [name for name, _ in self.named_params], self.optimizer.state_dict()
+        names, state = self.param_names, self.optimizer.state_dict()
         group = self.optimizer.param_groups[0]
         sharding.shard(self.model)
-        self.named_params = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW([p for _, p in self.named_params], lr=group["lr"],
-                                           weight_decay=group["weight_decay"])
+        self.bind_optimizer(group["lr"], group["weight_decay"])
         if state["state"]:
             sharding.load_full_optimizer_state(self.model, self.optimizer, state, names)
 
@@ -430,11 +435,11 @@ class Trainer:
     def state_dict_for_checkpoint(self) -> CheckpointState:
         """Whole weights and moments; sharded (--fsdp), every rank must call it and only rank 0's is whole."""
         if sharding.is_sharded(self.model):
-            weights, moments = sharding.full_state(self.model, self.optimizer, [name for name, _ in self.named_params])
+            weights, moments = sharding.full_state(self.model, self.optimizer, self.param_names)
         else:
             weights, moments = model_tensors(self.model), self.optimizer.state_dict()
         optimizer = flatten_optimizer_state(moments) if moments else OptimizerState({}, {"param_groups": []})
-        optimizer.meta["param_names"] = [name for name, _ in self.named_params]
+        optimizer.meta["param_names"] = self.param_names
         return CheckpointState(
             model=weights,
             model_config=json.loads(self.model.config.to_json_string(use_diff=False)),
@@ -463,7 +468,7 @@ class Trainer:
         trainer_state: Mapping[str, Any] | None = None,
     ) -> None:
         """Restore weights, optimizer moments and the step count written by `state_dict_for_checkpoint`."""
-        names = [name for name, _ in self.named_params]
+        names = self.param_names
         if optim_state.meta.get("param_names", names) != names:
             raise CheckpointError("optimizer state was written for other parameters; build the same model to resume")
         load_model_tensors(self.model, model_state)

@@ -7,8 +7,9 @@ Precedence, first match wins:
    syntax_error, runtime_error, memory_exceeded, timeout (the player hit the CPU limit), failed or
    passed. Two changes: passed becomes output_truncated when stdout or stderr went over the output
    limit; a player the judge saw killed (it cannot tell the CPU limit's SIGKILL from the memory cgroup's)
-   is memory_exceeded when the run's cgroup recorded an OOM kill. A failing or crashing run keeps its more specific outcome (that is what the model must fix);
-   its truncated stream still ends with a "[truncated ...]" note.
+   is memory_exceeded when the run's cgroup recorded an OOM kill. A failing or crashing run keeps its
+   more specific outcome (that is what the model must fix); its truncated stream still ends with a
+   "[truncated ...]" note.
 3. No report although the program started: timeout (wall clock, or SIGXCPU / SIGKILL from the CPU
    rlimit), memory_exceeded (the memory cgroup killed it), else runtime_error (it exited, crashed or
    damaged the report before the checks finished).

@@ -137,7 +137,7 @@ class TaskMixer:
             return self._probe()
         live = list(range(len(self.sources)))
         while live:
-            pick = self._rng.choices(live, weights=[self.weights[i] for i in live])[0]
+            pick = self._pick(live)
             domain = self.domain_skip_reason(pick) if self.weights[pick] > 0 else None
             if domain is not None:
                 self.skips[domain] += 1
@@ -153,10 +153,13 @@ class TaskMixer:
 
     def _probe(self) -> Task:
         """A draw by weight alone, whatever the curriculum says of the task or its domain."""
-        live = [i for i, w in enumerate(self.weights) if w > 0]
-        pick = self._rng.choices(live, weights=[self.weights[i] for i in live])[0]
+        pick = self._pick([i for i, w in enumerate(self.weights) if w > 0])
         self.probes += 1
         return self._took(pick, self._cursors[pick].next())
+
+    def _pick(self, live: list[int]) -> int:
+        """One of the `live` sources, by weight."""
+        return self._rng.choices(live, weights=[self.weights[i] for i in live])[0]
 
     def _took(self, pick: int, task: Task) -> Task:
         self.drawn[self.sources[pick].name] += 1
