@@ -150,8 +150,9 @@ class StatsCollector(Collector):
                 ("trajpipe_checkpoint_latency_seconds", "From a checkpoint's announcement to a rollout worker "
                  "generating with it", s.checkpoint_latency)):
             yield HistogramMetricFamily(name, doc, buckets=latency.cumulative(), sum_value=latency.total_s)
-        yield family(CounterMetricFamily, "trajpipe_service_windows", "A service figure summed over its windows "
-                     "(the total of a per-window counter)", ["source", "name", "labels"], s.service_sum.items())
+        yield family(CounterMetricFamily, "trajpipe_service_windows", "A service counter's total: summed over its "
+                     "windows, or for a cumulative one (the streams worker's) the newest value of each partition "
+                     "summed", ["source", "name", "labels"], s.service_sum.items())
 
 
 def dashboard(s: PipelineStats) -> Table:
@@ -180,7 +181,8 @@ def dashboard(s: PipelineStats) -> Table:
     grid = Table.grid(padding=(0, 2))
     grid.add_row(Group(flow, lag, policy, latency), Group(reward, counts_table("sandbox outcomes", s.sandbox_outcomes),
                                                  counts_table("dead letters", s.deadletter_reasons),
-                                                 counts_table("learner", s.latest_learner(), "{:.4f}")))
+                                                 counts_table("learner", s.latest_learner(), "{:.4f}"),
+                                                 counts_table("services", s.headline(), "{:,.4g}")))
     return grid
 
 

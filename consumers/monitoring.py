@@ -36,6 +36,23 @@ LEARNER_SOURCE = "learner"
 LOSS_PREFIX = "loss/"
 CHECKPOINT_LATENCY = "rollout/checkpoint_latency_s"  # a rollout worker's: announcement -> generating with it
 LATENCY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+# The service figures the live view, the summary and services.png show, each summed over its label sets
+# (every figure, with its labels, is on /metrics): (source, name, how) where how is "total" (a counter: its
+# total), "each" (a gauge per worker: the newest of each, summed) or "newest" (the newest record of any labels:
+# the learner's per-update figures, labelled by version).
+HEADLINE: tuple[tuple[str, str, str], ...] = (
+    ("streams", "streams/events", "total"), ("streams", "streams/accepted", "total"),
+    ("streams", "streams/duplicates", "total"), ("streams", "streams/deadletters", "total"),
+    ("streams", "streams/abandoned", "total"), ("streams", "streams/late_stragglers", "total"),
+    ("streams", "streams/zero_variance_groups", "total"), ("streams", "streams/open_episodes", "each"),
+    ("streams", "streams/events_per_s", "each"),
+    ("rollout", "rollout/episodes", "total"), ("rollout", "rollout/tokens_per_s", "each"),
+    ("rollout", "rollout/checkpoints_refused", "each"),
+    ("shards", "shards/batches", "total"), ("shards", "shards/duplicates", "total"),
+    ("learner", "policy_lag/token_mean", "newest"), ("learner", "stats/clip_frac", "newest"),
+    ("learner", "stale/dropped", "newest"), ("learner", "reader/stale_batches", "newest"),
+)
+HEADLINE_HOW = {(source, name): how for source, name, how in HEADLINE}
 KEEP_LATENCIES = 10_000  # recent observations the quantiles are read from
 KEEP_RECORD_TIMES = 200_000  # per partition: offsets whose broker time the queue age can look up
 
@@ -173,6 +190,10 @@ class PipelineStats:
     # window's value, and the sum over windows (the total, for counters published per window).
     service_latest: dict[tuple[str, str, str], float] = field(default_factory=dict)
     service_sum: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    # Cumulative counters (`total` records, the streams worker's): the newest value of each partition.
+    service_partitions: dict[tuple[str, str, str], dict[str, float]] = field(default_factory=dict)
+    service_newest: dict[tuple[str, str], float] = field(default_factory=dict)  # (source, name) -> any labels
+    headline_series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # name -> (time, value)
     resent: Counter[str] = field(default_factory=Counter)  # topic -> records counted once already (by id)
     record_times: dict[tuple[str, int], RecordTimes] = field(default_factory=dict)  # (topic, partition) ->
     # (group, topic) -> broker time (ms) of the oldest record the group has not committed: the queue's age
@@ -274,11 +295,22 @@ class PipelineStats:
                 self.batched_at.add(trajectory_id, ts)
 
     def _on_metric(self, m: PipelineMetric, ts: int) -> None:
-        key = (m.source, m.name, ",".join(f"{k}={v}" for k, v in sorted(m.labels.items())))
+        labels = {k: v for k, v in m.labels.items() if not (m.total and k == "partition")}
+        key = (m.source, m.name, ",".join(f"{k}={v}" for k, v in sorted(labels.items())))
         if m.name == CHECKPOINT_LATENCY and self._first(self.topics.metrics, key):  # one per worker and version
             self.checkpoint_latency.add(m.value)
-        self.service_latest[key] = m.value
-        self.service_sum[key] = self.service_sum.get(key, 0.0) + m.value
+        if m.total:  # since the start of the log, per partition: the newest of each, summed
+            partitions = self.service_partitions.setdefault(key, {})
+            partitions[m.labels.get("partition", "")] = m.value
+            self.service_latest[key] = self.service_sum[key] = sum(partitions.values())
+        else:
+            self.service_latest[key] = m.value
+            self.service_sum[key] = self.service_sum.get(key, 0.0) + m.value
+        self.service_newest[(m.source, m.name)] = m.value
+        if (m.source, m.name) in HEADLINE_HOW:
+            points = self.headline_series.setdefault(m.name, [])
+            points.append((m.window_end or ts, self.headline_value(m.source, m.name)))
+            del points[:-KEEP_POINTS]
         if m.source == LEARNER_SOURCE and m.name.startswith(LOSS_PREFIX):
             points = self.learner.setdefault(m.name, [])
             points.append((m.window_end or ts, m.value))
@@ -314,6 +346,18 @@ class PipelineStats:
         """(mean, max) versions between the newest checkpoint and recent trajectories' oldest turn."""
         lags = self.recent_policy_lag
         return (sum(lags) / len(lags), max(lags)) if lags else (0.0, 0)
+
+    def headline_value(self, source: str, name: str) -> float:
+        how = HEADLINE_HOW[(source, name)]
+        if how == "newest":
+            return self.service_newest.get((source, name), 0.0)
+        values = self.service_sum if how == "total" else self.service_latest
+        return sum(v for (s, n, _), v in values.items() if s == source and n == name)
+
+    def headline(self) -> dict[str, float]:
+        """The HEADLINE figures some service has published, by name."""
+        return {name: self.headline_value(source, name) for source, name, _ in HEADLINE
+                if (source, name) in self.service_newest}
 
     def latest_learner(self) -> dict[str, float]:
         return {name: points[-1][1] for name, points in sorted(self.learner.items()) if points}

@@ -13,10 +13,10 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on servers and CI
 import matplotlib.pyplot as plt  # noqa: E402
 
-from consumers.monitoring import PipelineStats  # noqa: E402
+from consumers.monitoring import HEADLINE, PipelineStats  # noqa: E402
 
 PLOTS = ("reward_by_policy_version.png", "success_by_policy_version.png", "throughput.png", "consumer_lag.png",
-         "deadletters.png", "learner_loss.png", "latency.png")
+         "deadletters.png", "learner_loss.png", "latency.png", "services.png")
 
 
 def _time(ms: int) -> dt.datetime:
@@ -80,6 +80,16 @@ def latencies(s: PipelineStats) -> list[tuple[str, Any]]:
     return [("episode ended -> in a batch", s.batch_latency), ("checkpoint announced -> generating", s.checkpoint_latency)]
 
 
+def plot_services(s: PipelineStats, ax: Any) -> None:
+    """The services' counters (the HEADLINE totals) over time, each as the services published it."""
+    for source, name, how in HEADLINE:
+        points = s.headline_series.get(name)
+        if how == "total" and points:
+            ax.step([_time(t) for t, _ in points], [v for _, v in points], where="post", label=f"{name}")
+    ax.set(xlabel="window end (UTC; the streams worker's in event time)", ylabel="count since the start",
+           title="service counters", yscale="symlog")
+
+
 def save_plot(path: Path, draw: Callable[[PipelineStats, Any], None], s: PipelineStats) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     try:
@@ -96,7 +106,7 @@ def save_plot(path: Path, draw: Callable[[PipelineStats, Any], None], s: Pipelin
         plt.close(fig)
 
 
-TIME_AXES = (plot_throughput, plot_lag, plot_learner)
+TIME_AXES = (plot_throughput, plot_lag, plot_learner, plot_services)
 
 
 def table(header: tuple[str, ...], rows: list[tuple[Any, ...]]) -> list[str]:
@@ -120,6 +130,7 @@ def summary_markdown(s: PipelineStats) -> str:
     lines += ["## Policy", "", f"Newest checkpoint v{s.newest_checkpoint}, newest trajectory version "
               f"v{s.newest_trajectory_version}; policy lag of recent trajectories: mean {mean:.2f}, max {worst}.", ""]
     lines += ["## Learner", ""] + table(("figure", "latest"), [(n, f"{v:.4f}") for n, v in s.latest_learner().items()])
+    lines += ["## Services", ""] + table(("figure", "value"), [(n, f"{v:,.4g}") for n, v in s.headline().items()])
     lines += ["## Latency", ""] + table(("from -> to", "n", "p50 s", "p99 s"), [
         (label, d.count, f"{d.quantile(0.5):.2f}", f"{d.quantile(0.99):.2f}") for label, d in latencies(s)])
     lines += ["## Plots", ""] + [f"![{p.removesuffix('.png')}]({p})" for p in PLOTS] + [""]
@@ -130,7 +141,7 @@ def write_report(s: PipelineStats, out: Path) -> Path:
     """Write every plot and summary.md into `out`; returns the summary's path."""
     out.mkdir(parents=True, exist_ok=True)
     draws = (plot_reward_by_version, plot_success_by_version, plot_throughput, plot_lag, plot_deadletters, plot_learner,
-             plot_latency)
+             plot_latency, plot_services)
     for name, draw in zip(PLOTS, draws):
         save_plot(out / name, draw, s)
     path = out / "summary.md"

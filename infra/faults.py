@@ -3,7 +3,8 @@
 Points: the learner's mid_update, after_save, after_publish; a rollout worker's mid_episode (its step's
 EpisodeStarted events are delivered, the rest of the step never is: every episode of the step is orphaned);
 the streams worker's wedged_batch (`fault_hit`: its events agent hangs on the n-th batch, as a stuck client
-would).
+would) and processed_batch (killed after the n-th batch's outputs and metrics are on the broker, before
+its offsets can be committed: the batch is processed again after the restart).
 
 Under torchrun, `point:n@rank` fires only in that rank, and a fault fires only in the job's first attempt
 (torchrun's restarts, TORCHELASTIC_RESTART_COUNT > 0, run clean): one injected crash, then the recovery.
@@ -15,7 +16,7 @@ import signal
 from collections import Counter
 from typing import Callable, Optional
 
-POINTS = ("mid_update", "after_save", "after_publish", "mid_episode", "wedged_batch")
+POINTS = ("mid_update", "after_save", "after_publish", "mid_episode", "wedged_batch", "processed_batch")
 ENV_VAR = "TRAJPIPE_FAULT"
 _passes: Counter[str] = Counter()
 
@@ -26,7 +27,12 @@ def fault_point(name: str, before: Optional[Callable[[], None]] = None) -> None:
     if fault_hit(name):
         if before is not None:
             before()
-        os.kill(os.getpid(), signal.SIGKILL)
+        kill()
+
+
+def kill() -> None:
+    """SIGKILL this process: no flush, no commit, no handler runs."""
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def fault_hit(name: str) -> bool:

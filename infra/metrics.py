@@ -8,7 +8,9 @@
     publish(publisher, topics.metrics, records)
 
 Counters are per window (sum the windows for a total) and `totals` keeps them since the service started;
-`rates` name per-second figures of counters, computed over each window. Every service publishes to
+`rates` name per-second figures of counters, computed over each window. A service whose counters must
+survive a restart exactly (the streams worker: streams.counting) publishes them as cumulative records
+instead, with `window_counts=False` here. Every service publishes to
 <ns>.pipeline.metrics under its own source and name prefix (`rollout/`, `shards/`, `streams/`, `learner/`).
 """
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 from infra.kafka import Publisher
 from schemas.codec import codec
@@ -53,9 +55,12 @@ class Metrics:
     stats: dict[Key, Welford] = field(default_factory=dict)
     gauges: dict[Key, float] = field(default_factory=dict)
     totals: Counter[Key] = field(default_factory=Counter)
+    window_counts: bool = True  # False: counters feed the rates and `totals`, not the window's records
 
     def count(self, name: str, n: int = 1, **labels: str) -> None:
-        key = (name, _labels(labels) if labels else ())
+        self.count_key((name, _labels(labels) if labels else ()), n)
+
+    def count_key(self, key: Key, n: int = 1) -> None:
         self.counters[key] += n
         self.totals[key] += n
 
@@ -77,11 +82,13 @@ class Metrics:
             return int(self.totals[(name, _labels(labels))])
         return int(sum(v for (n, _), v in self.totals.items() if n == name))
 
-    def flush(self, start_ms: int, end_ms: int) -> list[PipelineMetric]:
-        """The window's figures (sorted by name and labels), then an empty window."""
-        seconds = max((end_ms - start_ms) / 1000.0, 1e-3)
+    def flush(self, start_ms: int, end_ms: int, seconds: Optional[float] = None) -> list[PipelineMetric]:
+        """The window's figures (sorted by name and labels), then an empty window; rates per `seconds` (the
+        window's length if not given: a window in event time gives the wall seconds it took)."""
+        seconds = max((end_ms - start_ms) / 1000.0 if seconds is None else seconds, 1e-3)
         metric = self._metric
-        out = [metric(name, float(v), labels, start_ms, end_ms) for (name, labels), v in self.counters.items()]
+        out = [metric(name, float(v), labels, start_ms, end_ms) for (name, labels), v in self.counters.items()
+               if self.window_counts]
         for rate, counter in self.rates.items():
             n = sum(v for (name, _), v in self.counters.items() if name == counter)
             out.append(metric(rate, n / seconds, (), start_ms, end_ms))

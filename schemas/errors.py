@@ -71,6 +71,7 @@ REASONS = (
     "unknown_schema",
     "schema_mismatch",
     "missing_field",
+    "bad_id",  # an episode or group id with a control character
     "unknown_domain",
     "unknown_environment",  # domain env/<name> whose package is not installed where it is read
     "length_mismatch",

@@ -205,6 +205,7 @@ class PipelineMetric:
     labels: dict[str, str] = field(default_factory=dict)
     window_start: int = 0
     window_end: int = 0
+    total: bool = False  # a counter since the start of the log, per partition (see the schema)
 
 
 @dataclass(frozen=True)

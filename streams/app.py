@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Awaitable, Optional
 import faust
 from faust.types import StreamT
 
+from infra import faults
 from infra.faults import fault_hit
 from infra.settings import Settings, cache_dir
 from schemas.topics import STREAM_TABLES, Topics
@@ -134,6 +135,10 @@ def _agents(app: faust.App, topics: Topics, settings: StreamSettings, pipeline: 
             if fault_hit("wedged_batch"):  # a crash test's stuck agent: only the stall watchdog gets it going
                 await asyncio.Event().wait()
             await _or_stop(app, pipeline.on_events([event.message for event in batch]))  # type: ignore[arg-type]
+            if fault_hit("processed_batch"):  # a crash test's kill -9 between a batch's outputs and its commit
+                await pipeline.flush_metrics()
+                await pipeline.outbox.flush()
+                faults.kill()
             for event in batch:
                 event.ack()
             yield len(batch)  # lets agent.test_context() see each batch done

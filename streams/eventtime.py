@@ -1,7 +1,7 @@
 """Event time per producer clock, trusting producer clocks only as far as they can be checked.
 
     clock = EventTime(max_skew_ms=2000)
-    clock.observe((partition, producer_id), event.ts)   # every event, in log order
+    clock.observe((partition, producer_id), event.ts)   # every event, in log order (True: the ts was capped)
     clock.touch(key, (partition, producer_id))          # an event of `key` was just taken
     clock.idle_ms(key, wall_idle_s)                     # how long `key` has been idle: event or wall time
     clock.forget(key)                                   # `key` closed
@@ -33,18 +33,19 @@ class EventTime:
         self.clocks: dict[Hashable, int] = {}  # (partition, producer) -> largest (capped) timestamp seen
         self.partitions: dict[int, int] = {}  # partition -> largest (capped) timestamp of any clock
         self.marks: dict[bytes, tuple[Hashable, int]] = {}  # key -> (its clock, that clock's time at the touch)
-        self.clamped = 0  # timestamps capped since the last read (clocks ahead of this worker's)
 
-    def observe(self, clock: tuple[int, str], ts: int) -> None:
+    def observe(self, clock: tuple[int, str], ts: int) -> bool:
+        """Move the clock to `ts`; True when `ts` was capped (a clock ahead of this worker's)."""
         cap = self.now_ms() + self.max_skew_ms
-        if ts > cap:
+        capped = ts > cap
+        if capped:
             ts = cap
-            self.clamped += 1
         if ts > self.clocks.get(clock, ts - 1):
             self.clocks[clock] = ts
         partition = clock[0]
         if ts > self.partitions.get(partition, ts - 1):
             self.partitions[partition] = ts
+        return capped
 
     def touch(self, key: bytes, clock: tuple[int, str]) -> None:
         self.marks[key] = (clock, self.clocks.get(clock, 0))

@@ -11,10 +11,14 @@ dead letter of that trajectory), dead-lettered itself with a reason, or counted 
 are keyed and derived from the log only (ids from episode ids, timestamps from events), so reprocessing
 after a crash re-sends identical records: consumers dedupe by trajectory id. Trajectories and scored
 trajectories are keyed by group_id, so a group's members share a partition (and sit together in shards).
+
+The counters are per input partition and cumulative, stored in each stage's table (streams.counting): a
+pass over positions counted before a crash re-sends its outputs without counting them again.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -28,10 +32,12 @@ from schemas.records import DeadLetter, PolicyTurn, RolloutEvent, SourcePosition
 from schemas.topics import Topics
 from streams import assembly, fastcodec, grouping
 from streams.assembly import ABANDONED, ERROR, ClosedEpisode, EpisodeState
+from streams import counting
+from streams.counting import Tally
 from streams.eventtime import EventTime
 from streams.grouping import ClosedGroup, GroupState, TaskCount
 from infra.metrics import Metrics
-from streams.metrics import observe_trajectory, streams_metrics
+from streams.metrics import SOURCE, observe_trajectory, streams_metrics, trajectory_counts
 from streams.outbox import Outbox
 from streams.runtime import PartitionedTable
 from streams.scoring import Scorer
@@ -125,7 +131,11 @@ class Pipeline:
         self.trajectory_time = EventTime(int(settings.clock_skew_s * 1000))  # ended_ts: for closed groups
         self.max_record_bytes = settings.max_record_bytes
         self.logged_members: dict[bytes, int] = {}  # member keys this worker wrote to the groups changelog -> partition
-        self.window_start = _now_ms()
+        # Each stage's counters, per input partition, in its own table (streams.counting).
+        self.episode_tally = Tally(tables.episodes, lambda value: value is not None)
+        self.group_tally = Tally(tables.groups, lambda value: isinstance(value, GroupState))
+        self.window_start = 0  # event time (ms) where the next window starts: the last window's end
+        self.window_wall = _now_ms()
         self.sweeps = 0
         # Monotonic time from which this worker could read the log: its start, or when a sweep found it ready
         # again after recovering or rebalancing.
@@ -134,29 +144,45 @@ class Pipeline:
     # ---- clean -> assemble -> score ----------------------------------------------------------
     async def on_events(self, messages: list[Message]) -> None:
         async with self.episode_lock:
-            cleaned = [self._clean(m) for m in messages]
-            await self._check_claims([c for c in cleaned if c is not None and _claimed(c.event)])
-            batch = EpisodeBatch()
-            for item in cleaned:
-                if item is not None and not item.rejected:
-                    self._assemble(item, batch)
-            ended = [(key, batch.logs.pop(key), key not in batch.opened) for key in batch.ended]
-            oversize = [(key, batch.logs.pop(key), key not in batch.opened) for key, episode in list(batch.logs.items())
-                        if log_bytes(episode) > self.max_record_bytes]
-            for key, episode, _ in ended:
-                await self._publish_trajectory(episode.state, None)
-            for key, episode, _ in oversize:  # its changelog value would not fit a record: it ends here
-                self._reject_trajectory(assembly.to_trajectory(episode.state, self.topics.events, ERROR),
-                                        episode.state, "oversize", f"the open episode's events take "
-                                        f"{log_bytes(episode)} bytes, over --max-record-bytes "
-                                        f"{self.max_record_bytes}", "assemble")
-            for key, episode in batch.logs.items():
-                self.tables.episodes.put(self.outbox, episode.state.partition, key, episode)
-            await self._forget_episodes(ended)
-            await self._forget_episodes(oversize, ERROR)
+            replayed, fresh = self.episode_tally.split(messages)
+            if replayed:
+                with self.episode_tally.muted():
+                    await self._on_events(replayed)
+            if fresh:
+                await self._on_events(fresh)
+
+    async def _on_events(self, messages: list[Message]) -> None:
+        cleaned = [self._clean(m) for m in messages]
+        await self._check_claims([c for c in cleaned if c is not None and _claimed(c.event)])
+        batch = EpisodeBatch()
+        for item in cleaned:
+            if item is not None and not item.rejected:
+                self._assemble(item, batch)
+        ended = [(key, batch.logs.pop(key), key not in batch.opened) for key in batch.ended]
+        oversize = [(key, batch.logs.pop(key), key not in batch.opened) for key, episode in list(batch.logs.items())
+                    if log_bytes(episode) > self.max_record_bytes]
+        for key, episode, _ in ended:
+            await self._publish_trajectory(episode.state, None)
+        for key, episode, _ in oversize:  # its changelog value would not fit a record: it ends here
+            self._reject_trajectory(assembly.to_trajectory(episode.state, self.topics.events, ERROR),
+                                    episode.state, "oversize", f"the open episode's events take "
+                                    f"{log_bytes(episode)} bytes, over --max-record-bytes "
+                                    f"{self.max_record_bytes}", "assemble")
+        self.episode_tally.advance(messages)
+        self.episode_tally.write(self.outbox)  # ahead of the state it counts, in the same changelog partition
+        for key, episode in batch.logs.items():
+            self.tables.episodes.put(self.outbox, episode.state.partition, key, episode)
+        await self._forget_episodes(ended)
+        await self._forget_episodes(oversize, ERROR)
+
+    def _count(self, tally: Tally, partition: int, name: str, n: int = 1, **labels: str) -> None:
+        """Count into the window's rates and the partition's cumulative counters (not in a replayed pass)."""
+        if not tally.is_muted:
+            self.metrics.count(name, n, **labels)
+            tally.count(partition, (name, tuple(sorted(labels.items()))), n)
 
     def _clean(self, message: Message) -> Optional[Incoming]:
-        self.metrics.count("streams/events")
+        self._count(self.episode_tally, message.partition, "streams/events")
         try:
             event = decode_event(message.value)
             if not _claimed(event):  # a claimed turn is checked once its payload is fetched
@@ -184,11 +210,12 @@ class Pipeline:
     def _assemble(self, item: Incoming, batch: EpisodeBatch) -> None:
         event, key = item.event, item.event.episode_id.encode()
         partition = item.message.partition
-        self.event_time.observe((partition, event.producer_id), event.ts)
+        if self.event_time.observe((partition, event.producer_id), event.ts):
+            self._count(self.episode_tally, partition, "streams/clock_skew_clamped")
         episode = batch.logs.get(key) or self.tables.episodes.get(key)
         try:
             if self._is_duplicate(key, episode, item):
-                self.metrics.count("streams/duplicates")
+                self._count(self.episode_tally, partition, "streams/duplicates")
                 return
             state = assembly.fold(episode.state if episode else None, event, item.position)
         except ValidationError as exc:
@@ -197,7 +224,7 @@ class Pipeline:
         except Exception as exc:
             self._failed(item.message, exc, "assemble", event)
             return
-        self.metrics.count("streams/accepted")
+        self._count(self.episode_tally, partition, "streams/accepted")
         self.event_time.touch(key, (partition, item.event.producer_id))
         raw = item.message.value or b""
         if episode is None:
@@ -238,14 +265,13 @@ class Pipeline:
         if not closed:
             return
         await self.outbox.flush()
+        self.episode_tally.write(self.outbox)  # the sweeper's closings, counted ahead of their tombstones
         for key, episode, tombstone in closed:
             state = episode.state
             final = status or assembly.status_of(state) or ABANDONED
             self.tables.seen.put(self.outbox, state.partition, key, assembly.close(state, final))
             self.tables.episodes.delete(self.outbox, state.partition, key, tombstone)
             self.event_time.forget(key)
-            if final == ABANDONED:
-                self.metrics.count("streams/abandoned")
 
     async def _trajectory(self, state: EpisodeState, status: str) -> Optional[Trajectory]:
         if state.claims:
@@ -282,26 +308,40 @@ class Pipeline:
                                     f"--max-record-bytes {self.max_record_bytes}", "score")
             return
         self.outbox.send(self.topics.trajectories, scored.group_id.encode(), value)
-        observe_trajectory(self.metrics, scored)
+        if not self.episode_tally.is_muted:
+            observe_trajectory(self.metrics, scored)
+            for name, labels, n in trajectory_counts(scored):
+                self.episode_tally.count(state.partition, (name, labels), n)
 
     # ---- group -------------------------------------------------------------------------------
     async def on_trajectories(self, messages: list[Message]) -> None:
         async with self.group_lock:
-            touched: dict[bytes, GroupState] = {}
-            joined: list[tuple[bytes, grouping.Member]] = []
-            for message in messages:
-                self._add_to_group(message, touched, joined)
-            complete = [(key, group) for key, group in touched.items() if grouping.is_complete(group)]
-            for key, member in joined:  # a group still open keeps each new member's record under its own key
-                group = touched[key]
-                if not grouping.is_complete(group):
-                    mkey = member_key(key, member.trajectory_id)
-                    self.tables.groups.log(self.outbox, group.partition, mkey, MemberRecord(member.raw))
-                    self.logged_members[mkey] = group.partition
-            for key, group in touched.items():
-                if not grouping.is_complete(group):
-                    self.tables.groups.put(self.outbox, group.partition, key, group)
-            await self._emit_groups(complete, timed_out=False)
+            replayed, fresh = self.group_tally.split(messages)
+            if replayed:
+                with self.group_tally.muted():
+                    await self._on_trajectories(replayed)
+            if fresh:
+                await self._on_trajectories(fresh)
+
+    async def _on_trajectories(self, messages: list[Message]) -> None:
+        touched: dict[bytes, GroupState] = {}
+        joined: list[tuple[bytes, grouping.Member]] = []
+        for message in messages:
+            self._add_to_group(message, touched, joined)
+        complete = [(key, group) for key, group in touched.items() if grouping.is_complete(group)]
+        results = [self._finish(group, timed_out=False) for _, group in complete]
+        self.group_tally.advance(messages)
+        self.group_tally.write(self.outbox)  # ahead of the state it counts, in the same changelog partition
+        for key, member in joined:  # a group still open keeps each new member's record under its own key
+            group = touched[key]
+            if not grouping.is_complete(group):
+                mkey = member_key(key, member.trajectory_id)
+                self.tables.groups.log(self.outbox, group.partition, mkey, MemberRecord(member.raw))
+                self.logged_members[mkey] = group.partition
+        for key, group in touched.items():
+            if not grouping.is_complete(group):
+                self.tables.groups.put(self.outbox, group.partition, key, group)
+        await self._emit_groups(complete, results, timed_out=False)
 
     def _add_to_group(self, message: Message, touched: dict[bytes, GroupState],
                       joined: list[tuple[bytes, grouping.Member]]) -> None:
@@ -315,30 +355,39 @@ class Pipeline:
             self._failed(message, exc, "group")
             return
         key, partition = head.group_id.encode(), message.partition
-        self.trajectory_time.observe((partition, ""), head.ended_ts)
+        if self.trajectory_time.observe((partition, ""), head.ended_ts):
+            self._count(self.group_tally, partition, "streams/clock_skew_clamped")
         found = touched.get(key) or self.tables.groups.get(key)
         current = None if isinstance(found, MemberRecord) else found  # (a group id never has a member's key)
         if isinstance(current, ClosedGroup) or (current is not None and grouping.is_complete(current)):
             ids = current.trajectory_ids
-            self.metrics.count("streams/duplicate_trajectories" if head.trajectory_id in ids
-                               else "streams/late_stragglers")
+            self._count(self.group_tally, partition, "streams/duplicate_trajectories" if head.trajectory_id in ids
+                        else "streams/late_stragglers")
             return
         member = grouping.Member(head, raw)
         group = grouping.add_member(current, member, partition)
         if group is current:
-            self.metrics.count("streams/duplicate_trajectories")
+            self._count(self.group_tally, partition, "streams/duplicate_trajectories")
             return
         touched[key] = group
         joined.append((key, member))
 
-    async def _emit_groups(self, groups: list[tuple[bytes, GroupState]], timed_out: bool) -> None:
-        """Scored members out; once they are on the broker, the groups are closed and counted (as episodes)."""
+    def _finish(self, group: GroupState, timed_out: bool) -> grouping.GroupResult:
+        """The group's advantages, counted."""
+        result = grouping.finalize(group, self.settings.advantage_eps, self.settings.drop_zero_variance)
+        self._count_group(group, result, timed_out)
+        return result
+
+    async def _emit_groups(self, groups: list[tuple[bytes, GroupState]], results: list[grouping.GroupResult],
+                           timed_out: bool) -> None:
+        """Scored members out; once they are on the broker, the groups are closed and their tasks counted."""
         if not groups:
             return
-        results = [self._emit_scores(key, group) for key, group in groups]
-        await self.outbox.flush()
         for (key, group), result in zip(groups, results):
-            self._count_group(group, result, timed_out)
+            self._emit_scores(key, group, result)
+        await self.outbox.flush()
+        self.group_tally.write(self.outbox)  # the sweeper's closings, counted ahead of the groups' closing writes
+        for (key, group), result in zip(groups, results):
             self._count_task(group, result)
             self.tables.groups.put(self.outbox, group.partition, key, grouping.close(group, timed_out))
             for member in group.members:
@@ -347,31 +396,30 @@ class Pipeline:
                     self.logged_members.pop(mkey, None)
                     self.tables.groups.delete(self.outbox, group.partition, mkey)
 
-    def _emit_scores(self, key: bytes, group: GroupState) -> grouping.GroupResult:
-        result = grouping.finalize(group, self.settings.advantage_eps, self.settings.drop_zero_variance)
+    def _emit_scores(self, key: bytes, group: GroupState, result: grouping.GroupResult) -> None:
         for member, advantage in result.scored:
-            raw = member.raw or self._member_record(key, member)  # empty: recovered from the changelog
+            raw = member.raw or self._member_record(key, group, member)  # empty: recovered from the changelog
             if not raw:
                 continue
             value = fastcodec.with_advantage(raw, member.summary.advantage_at, advantage, result.mean,
                                              result.std)
             self.outbox.send(self.topics.scored, key, value)
-        return result
 
-    def _member_record(self, key: bytes, member: grouping.Member) -> bytes:
+    def _member_record(self, key: bytes, group: GroupState, member: grouping.Member) -> bytes:
         record = self.tables.groups.get(member_key(key, member.trajectory_id))
         if isinstance(record, MemberRecord):
             return record.raw
         log.error("group %r: no record of member %s in the changelog", key, member.trajectory_id)
-        self.metrics.count("streams/missing_member_records")
+        self._count(self.group_tally, group.partition, "streams/missing_member_records")
         return b""
 
     def _count_group(self, group: GroupState, result: grouping.GroupResult, timed_out: bool) -> None:
-        self.metrics.count("streams/groups", outcome="timed_out" if timed_out else "complete")
-        self.metrics.count("streams/scored", len(result.scored))
-        self.metrics.count("streams/untrainable", len(group.members) - result.trainable)
+        count = functools.partial(self._count, self.group_tally, group.partition)
+        count("streams/groups", outcome="timed_out" if timed_out else "complete")
+        count("streams/scored", len(result.scored))
+        count("streams/untrainable", len(group.members) - result.trainable)
         if result.zero_variance:
-            self.metrics.count("streams/zero_variance_groups", dropped=str(result.dropped).lower())
+            count("streams/zero_variance_groups", dropped=str(result.dropped).lower())
 
     def _count_task(self, group: GroupState, result: grouping.GroupResult) -> None:
         """The task's counts of this group's partition, in the table and on the feed under the key
@@ -391,6 +439,8 @@ class Pipeline:
             for key in gone["episodes"]:
                 self.event_time.forget(key)
             self.logged_members = {key: p for key, p in self.logged_members.items() if p in partitions}
+            self.episode_tally.keep_partitions(partitions)
+            self.group_tally.keep_partitions(partitions)
         log.info("holding partitions %s; let go of %s", sorted(partitions),
                  ", ".join(f"{len(keys)} {name}" for name, keys in gone.items() if keys) or "nothing")
 
@@ -405,18 +455,23 @@ class Pipeline:
         # and a rebalance take seconds in which no event of a recovered episode or group can arrive, and
         # while no broker answers, producers hold their events back (delivered when it returns).
         self.ready_since = since = self.ready_since or now
-        self._count_clamped()
         async with self.episode_lock:
             idle = [(key, episode, True) for key, episode in self.tables.episodes.items()
                     if self.event_time.idle_ms(key, now - max(episode.touched, since))
                     > self.settings.episode_timeout_s * 1000]
-            for _, episode, _ in idle:
-                await self._publish_trajectory(episode.state, ABANDONED)
+            for key, episode, _ in idle:
+                with self.episode_tally.closing(episode.state.partition, key):
+                    await self._publish_trajectory(episode.state, ABANDONED)
+                    self._count(self.episode_tally, episode.state.partition, "streams/abandoned")
             await self._forget_episodes(idle, ABANDONED)
         async with self.group_lock:
             late = [(key, group) for key, group in self.tables.groups.items() if isinstance(group, GroupState)
                     and now - max(group.since, since) > self.settings.group_timeout_s]
-            await self._emit_groups(late, timed_out=True)
+            results = []
+            for key, group in late:
+                with self.group_tally.closing(group.partition, key):
+                    results.append(self._finish(group, timed_out=True))
+            await self._emit_groups(late, results, timed_out=True)
         self.sweeps += 1
         if self.sweeps % PRUNE_EVERY == 0:
             async with self.episode_lock, self.group_lock:
@@ -432,21 +487,21 @@ class Pipeline:
                     self.trajectory_time.age_ms(group.partition, group.closed_ts, now - group.since) > horizon:
                 self.tables.groups.delete(self.outbox, group.partition, key)
 
-    def _count_clamped(self) -> None:
-        """Timestamps from clocks ahead of this worker's, capped since the last sweep (a metric, not an error)."""
-        clamped = self.event_time.clamped + self.trajectory_time.clamped
-        if clamped:
-            self.metrics.count("streams/clock_skew_clamped", clamped)
-            self.event_time.clamped = self.trajectory_time.clamped = 0
+    def watermark(self) -> int:
+        """Event time of the newest event this worker read (its clock's time before any)."""
+        return max(self.event_time.partitions.values(), default=0) or _now_ms()
 
     async def flush_metrics(self) -> None:
-        now = _now_ms()
+        """The window's figures, from the last window's event time to the newest event's, and every counter of
+        the partitions this worker holds, cumulative."""
+        end, wall = max(self.watermark(), self.window_start), _now_ms()
         self.metrics.gauge("streams/open_episodes", float(len(self.tables.episodes)))
         self.metrics.gauge("streams/open_groups", float(sum(isinstance(g, GroupState)
                                                             for _, g in self.tables.groups.items())))
-        for metric in self.metrics.flush(self.window_start, now):
+        window = self.metrics.flush(self.window_start or end, end, seconds=(wall - self.window_wall) / 1000)
+        for metric in window + counting.records(SOURCE, (self.episode_tally, self.group_tally), end):
             self.outbox.send(self.topics.metrics, metric.name.encode(), codec.encode(metric))
-        self.window_start = now
+        self.window_start, self.window_wall = end, wall
         log.info("streams totals: %s", self.metrics.summary())
 
     # ---- dead letters ------------------------------------------------------------------------
@@ -477,7 +532,8 @@ class Pipeline:
                              f" bytes are not copied here: read them at {record.source_topic}"
                              f"[{record.partition}]@{record.offset})")
             value = codec.encode(record)
-        self.metrics.count("streams/deadletters", reason=record.reason, stage=record.stage)
+        tally = self.group_tally if record.stage == "group" else self.episode_tally
+        self._count(tally, record.partition, "streams/deadletters", reason=record.reason, stage=record.stage)
         log.debug("dead letter %s at %s[%d]@%d: %s", record.reason, record.source_topic, record.partition,
                   record.offset, record.detail)
         self.outbox.send(self.topics.deadletter, record.key, value)

@@ -232,10 +232,11 @@ class PartitionedTable(Generic[V]):
         return self.table.data.get(key)  # type: ignore[no-any-return]
 
     def items(self) -> list[tuple[bytes, V]]:
-        return list(self.table.data.items())
+        """Every value but the worker's own records (keys starting with NUL, which ids never hold)."""
+        return [(key, value) for key, value in self.table.data.items() if key[:1] != b"\x00"]
 
     def __len__(self) -> int:
-        return len(self.table.data)
+        return len(self.items())
 
     def put(self, outbox: Outbox, partition: int, key: bytes, value: V) -> None:
         self.table.data[key] = value

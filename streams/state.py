@@ -8,7 +8,8 @@ record under its own key, `member_key(group, trajectory)`, written once when it 
 rewrites a group's records, and no value grows with the group (16 members of 32k tokens each would be
 a 6 MB value, over any broker's record limit). A closed episode and a task count are small JSON objects;
 the binary values (open episodes, open and closed groups, members) start with a 4-byte tag naming their
-format.
+format. The episodes and groups tables also hold their stage's counters of each partition (`PartitionCounts`
+under `counts_key(partition)`, tag CNT1, a key no id can take: streams.counting).
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ GROUP_SUMMARY_TAG = b"GRP2"  # an open group: its members' summaries, their reco
 CLOSED_GROUP_TAG = b"GRC1"
 MEMBER_TAG = b"GRM1"
 MEMBER_SEPARATOR = b"\x00"  # group ids never hold it: keys of members sort after their group's
+COUNTS_TAG = b"CNT1"
+COUNTS_PREFIX = b"\x00counts\x00"  # + the partition: a stage's counts, in its own table (ids never hold NUL)
 
 
 class StateFormatError(ValueError):
@@ -53,7 +56,9 @@ class EpisodeLog:
         return EpisodeLog(state, self.raw + (raw,))
 
 
-def dump_episode(log: EpisodeLog) -> bytes:
+def dump_episode(log: Union[EpisodeLog, PartitionCounts]) -> bytes:
+    if isinstance(log, PartitionCounts):
+        return dump_counts(log)
     parts = [EPISODE_TAG]
     for position, raw in zip(log.state.positions, log.raw):
         parts.append(_FRAME.pack(position.partition, position.offset, len(raw)))
@@ -61,8 +66,10 @@ def dump_episode(log: EpisodeLog) -> bytes:
     return b"".join(parts)
 
 
-def load_episode(data: bytes) -> EpisodeLog:
+def load_episode(data: bytes) -> Union[EpisodeLog, PartitionCounts]:
     """Fold the logged events again; they were validated when they first came."""
+    if data[:len(COUNTS_TAG)] == COUNTS_TAG:
+        return load_counts(data)
     _expect(data, EPISODE_TAG)
     state: Optional[EpisodeState] = None
     raws: list[bytes] = []
@@ -84,11 +91,44 @@ class MemberRecord:
 GroupValue = Union[GroupState, ClosedGroup, MemberRecord]
 
 
+@dataclass(frozen=True)
+class PartitionCounts:
+    """A stage's counters of one input partition since the start of the log (streams.counting).
+
+    `offset`: the last input offset they count; `pending`: keys the sweeper closed and counted whose closing
+    writes (after this value in the same changelog partition) may not have landed: closing one again is not
+    counted again.
+    """
+
+    offset: int = -1
+    counts: tuple[tuple[str, tuple[tuple[str, str], ...], int], ...] = ()
+    pending: frozenset[bytes] = frozenset()
+
+
+def counts_key(partition: int) -> bytes:
+    return COUNTS_PREFIX + str(partition).encode()
+
+
+def dump_counts(value: PartitionCounts) -> bytes:
+    return COUNTS_TAG + _json({"offset": value.offset, "counts": [[n, [list(kv) for kv in labels], v]
+                                                                 for n, labels, v in value.counts],
+                               "pending": sorted(k.hex() for k in value.pending)})
+
+
+def load_counts(data: bytes) -> PartitionCounts:
+    doc = json.loads(data[len(COUNTS_TAG):])
+    return PartitionCounts(doc["offset"], tuple((n, tuple((k, v) for k, v in labels), int(c))
+                                                for n, labels, c in doc["counts"]),
+                           frozenset(bytes.fromhex(k) for k in doc["pending"]))
+
+
 def member_key(group_key: bytes, trajectory_id: str) -> bytes:
     return group_key + MEMBER_SEPARATOR + trajectory_id.encode()
 
 
-def dump_group(group: GroupValue) -> bytes:
+def dump_group(group: Union[GroupValue, PartitionCounts]) -> bytes:
+    if isinstance(group, PartitionCounts):
+        return dump_counts(group)
     if isinstance(group, ClosedGroup):
         return CLOSED_GROUP_TAG + _json({"closed_ts": group.closed_ts, "ids": list(group.trajectory_ids),
                                          "timed_out": group.timed_out, "partition": group.partition})
@@ -99,10 +139,12 @@ def dump_group(group: GroupValue) -> bytes:
                                       "members": [dataclasses.asdict(m.summary) for m in group.members]})
 
 
-def load_group(data: bytes) -> GroupValue:
+def load_group(data: bytes) -> Union[GroupValue, PartitionCounts]:
     """A group value; an open group's members come back without their records (`raw` empty): those are
     the MemberRecords under their own keys."""
     tag = data[:4]
+    if tag == COUNTS_TAG:
+        return load_counts(data)
     if tag == CLOSED_GROUP_TAG:
         doc = json.loads(data[4:])
         return ClosedGroup(doc["closed_ts"], tuple(doc["ids"]), doc["timed_out"], doc["partition"])

@@ -79,6 +79,10 @@ def _check_envelope(event: RolloutEvent) -> None:
     for name in ENVELOPE_FIELDS:
         if not getattr(event, name):
             _reject("missing_field", f"envelope field {name!r} is empty")
+    for name in ("episode_id", "group_id"):  # table keys: a key starting with NUL is the worker's own record
+        value = getattr(event, name)
+        if not value.isprintable():
+            _reject("bad_id", f"envelope field {name} = {value[:80]!r} holds a control character")
     if not is_domain(event.domain):
         _reject("unknown_domain", f"domain {event.domain!r} is not one of {', '.join(DOMAINS)} nor rg/<generator> "
                                   "nor env/<name>")

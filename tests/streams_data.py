@@ -170,6 +170,9 @@ def bad_messages(good: RolloutEvent) -> list[tuple[str, bytes, bytes]]:
         ("unknown_environment", key, codec.encode(replace(base, event_id=base.event_id + "4e",
                                                           domain="env/not-installed", body=started))),
         ("missing_field", key, codec.encode(replace(base, event_id="", body=started))),
+        # an id that would name the worker's own record of its counters (streams.state.counts_key)
+        ("bad_id", key, codec.encode(replace(base, event_id=base.event_id + "6", episode_id="\x00counts\x000",
+                                             body=started))),
         ("bad_step", key, codec.encode(replace(base, event_id=base.event_id + "5", body=SandboxResult(
             turn=7, outcome="passed", tests_passed=1, tests_total=1, stdout="", stderr="", duration_ms=1,
             backend="subprocess")))),

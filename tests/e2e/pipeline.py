@@ -205,6 +205,12 @@ def assert_every_id_accounted_for(run: PipelineRun, orphans: bool) -> list[Check
     assert sum(w.n for w in stats.reward.values()) == len(scored), stats.resent
     results = {e.event_id: e.body for e in events if isinstance(e.body, SandboxResult)}
     assert stats.sandbox_outcomes == Counter(r.outcome for r in results.values())
+    # the streams worker's own counters, cumulative per partition, count each input and trajectory once
+    # across its kills (a replayed batch is not counted again)
+    assert stats.service_sum.get(("streams", "streams/events", ""), 0) == len(events)
+    statuses = Counter(tr.status for tr in by_id.values())
+    assert {status: stats.service_sum.get(("streams", "streams/trajectories", f"status={status}"), 0)
+            for status in statuses} == statuses
     manifests: dict[str, BatchManifest] = {}
     for m in decode_all(run, t.batches):
         assert manifests.setdefault(m.batch_id, m) == m  # a republished manifest is the same manifest

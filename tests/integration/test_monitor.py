@@ -65,6 +65,10 @@ def fill(stack: Settings, topics: Topics) -> None:
         shards.count("shards/batches", batches)
         shards.observe("shards/write_s", 0.5)
         windows += rollout.flush(T0, T0 + 1000) + shards.flush(T0, T0 + 1000)
+    # the streams worker's cumulative counters: partition 0 counted 5, then 9 (after a restart it goes on from
+    # its stored count, never from 0), partition 1 counted 4
+    windows += [PipelineMetric(source="streams", name="streams/events", value=v, labels={"partition": p},
+                               window_end=T0 + i, total=True) for i, (p, v) in enumerate([("0", 5), ("1", 4), ("0", 9)])]
     publish(stack, topics.metrics, windows)
 
 
@@ -110,13 +114,21 @@ def expected(stack: Settings, topics: Topics, group: str, offset: int) -> Sample
                 out[("trajpipe_reward_mean", (("domain", domain),))] = statistics.fmean(values)
                 out[("trajpipe_reward_std", (("domain", domain),))] = statistics.pstdev(values)
                 out[("trajpipe_scored_trajectories_total", (("domain", domain),))] = len(values)
+    newest: dict[tuple[tuple[str, str], ...], dict[str, float]] = {}  # cumulative: per partition
     for message in read_topic(stack, topics.metrics):
         metric = codec.decode(message.value(), PipelineMetric)
-        key = (("labels", ",".join(f"{k}={v}" for k, v in sorted(metric.labels.items()))), ("name", metric.name),
+        labels = {k: v for k, v in metric.labels.items() if not (metric.total and k == "partition")}
+        key = (("labels", ",".join(f"{k}={v}" for k, v in sorted(labels.items()))), ("name", metric.name),
                ("source", metric.source))
+        if metric.total:
+            newest.setdefault(key, {})[metric.labels["partition"]] = metric.value
+            continue
         out[("trajpipe_service", key)] = metric.value
         total = out.get(("trajpipe_service_windows_total", key), 0.0)
         out[("trajpipe_service_windows_total", key)] = total + metric.value
+    for key, partitions in newest.items():
+        out[("trajpipe_service", key)] = out[("trajpipe_service_windows_total", key)] = sum(partitions.values())
+    assert out[("trajpipe_service", (("labels", ""), ("name", "streams/events"), ("source", "streams")))] == 13
     for outcome, n in outcomes.items():
         out[("trajpipe_sandbox_outcomes_total", (("outcome", outcome),))] = n
     out[("trajpipe_consumer_lag", (("group", group), ("topic", topics.events)))] = sum(max(0, e - offset) for e in ends)
@@ -156,3 +168,5 @@ def test_metrics_match_counts_taken_from_the_topics(stack: Settings, topics: Top
     summary = (report / "summary.md").read_text()
     assert all((report / name).stat().st_size > 0 for name in PLOTS)
     assert "| bad_magic | 2 |" in summary and f"| {group} | {topics.events} |" in summary
+    # the headline service figures: the streams counter's partitions summed, the rollout windows summed
+    assert "| streams/events | 13 |" in summary and "| rollout/episodes | 24 |" in summary

@@ -121,8 +121,29 @@ def ended_ids(stream: RecordedStream) -> set[str]:
     return {e.trajectory_id for e in stream.episodes}  # the abandoned one too: the sweeper closes it
 
 
+def counters(stack: Settings, topics: Topics) -> Counter[tuple[str, tuple[tuple[str, str], ...]]]:
+    """The worker's counters as a reader of the metrics topic takes them: the newest cumulative value of each
+    partition, summed over the partitions."""
+    newest: dict[tuple[str, tuple[tuple[str, str], ...], str], float] = {}
+    for m in records(stack, topics.metrics):
+        if isinstance(m, PipelineMetric) and m.total:
+            labels = tuple(sorted((k, v) for k, v in m.labels.items() if k != "partition"))
+            newest[(m.name, labels, m.labels["partition"])] = m.value
+    out: Counter[tuple[str, tuple[tuple[str, str], ...]]] = Counter()
+    for (name, labels, _), value in newest.items():
+        out[(name, labels)] += int(value)
+    return out
+
+
 def metric_total(stack: Settings, topics: Topics, name: str) -> float:
-    return sum(m.value for m in records(stack, topics.metrics) if isinstance(m, PipelineMetric) and m.name == name)
+    return sum(n for (counter, _), n in counters(stack, topics).items() if counter == name)
+
+
+def window_sum(stack: Settings, topics: Topics, name: str) -> float:
+    """The same counter summed over per-window records, as the worker published them before its counters were
+    cumulative (a replayed batch then counted twice)."""
+    return sum(m.value for m in records(stack, topics.metrics)
+               if isinstance(m, PipelineMetric) and m.name == name and not m.total)
 
 
 def run_to_completion(stack: Settings, topics: Topics, stream: RecordedStream, log: Path,
@@ -191,6 +212,39 @@ def test_kill_9_mid_stream_loses_no_episode_and_recovers_the_half_sent_ones(stac
         n_events = sum(1 for k, _ in stream.messages if k == key)
         assert len(traj.source_offsets) == n_events, f"{key!r} lost the events from before the kill"
         assert (traj.status == "abandoned") == (episodes[key].status is None)
+
+
+@pytest.mark.slow
+def test_counters_stay_exact_when_a_worker_is_killed_9_between_a_batch_and_its_commit(
+        stack: Settings, topics: Topics, tmp_path: Path) -> None:
+    """The kill comes after the third batch's outputs and metrics are on the broker and before its offsets can
+    be committed: the restarted worker processes those batches again, and counts each input once."""
+    stream = recorded_stream(run=topics.ns)
+    publish(stack, topics, stream.messages)
+    log = tmp_path / "worker.log"
+    first = Worker(stack, topics.ns, log, "--batch-max", "16", fault="processed_batch:3")
+    assert first.proc.wait(120) == -signal.SIGKILL, log.read_text()[-3000:]
+    assert committed(stack, topics) < 3 * 16, "the batches before the kill must come again"
+    assert any(isinstance(m, PipelineMetric) and m.total for m in records(stack, topics.metrics))
+    worker = run_to_completion(stack, topics, stream, log, Worker(stack, topics.ns, log, "--batch-max", "16"))
+    time.sleep(2)  # a metrics window after the last record
+    assert worker.stop() == 0
+
+    trajectories = by_id(stack, topics.trajectories)
+    letters = {(d.source_topic, d.partition, d.offset, d.reason): d for d in records(stack, topics.deadletter)}
+    got = counters(stack, topics)
+    assert metric_total(stack, topics, "streams/events") == stream.events
+    assert metric_total(stack, topics, "streams/duplicates") == stream.duplicates
+    assert metric_total(stack, topics, "streams/accepted") == sum(
+        len(codec.decode(v).source_offsets) for v in trajectories.values())
+    assert {labels[0][1]: n for (name, labels), n in got.items() if name == "streams/trajectories"} == \
+        Counter(codec.decode(v).status for v in trajectories.values())
+    assert Counter({dict(labels)["reason"]: n for (name, labels), n in got.items() if name == "streams/deadletters"}) \
+        == Counter(reason for (_, _, _, reason) in letters) == stream.expect_reasons
+    scored = by_id(stack, topics.scored)
+    assert metric_total(stack, topics, "streams/scored") == len(scored) == len(stream.expect_scored)
+    assert window_sum(stack, topics, "streams/events_per_s") > 0  # the windows still carry the rates
+    assert not window_sum(stack, topics, "streams/events")  # and no counter
 
 
 def long_episode(i: int, run: str, tokens: int) -> list[tuple[bytes, bytes]]:

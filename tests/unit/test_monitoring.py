@@ -164,7 +164,7 @@ def test_dashboard_and_report_render(tmp_path: Path) -> None:
     s = filled()
     s.set_consumer_lag(T0, {("mon.streams", TOPICS.events): 7})
     left, right = dashboard(s).columns[0]._cells[0], dashboard(s).columns[1]._cells[0]
-    assert len(left.renderables) + len(right.renderables) == 8
+    assert len(left.renderables) + len(right.renderables) == 9
     summary = write_report(s, tmp_path).read_text()
     for name in PLOTS:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 import zlib
 from types import SimpleNamespace
@@ -15,13 +16,14 @@ from schemas.codec import codec
 from schemas.errors import ValidationError
 from schemas.packing import join_payload, pack_floats, pack_ids, split_payload
 from schemas.records import DeadLetter, PipelineMetric, PolicyTurn, RolloutEvent, TaskStats, Trajectory
+from streams import counting
 from streams.app import build_app
 from streams.outbox import MemoryOutbox
 from streams.rewards import RewardResult
 from streams.runtime import StreamsApp
 from streams.scoring import Scorer
 from streams.settings import StreamSettings
-from streams.state import load_closed_episode, load_episode, load_group
+from streams.state import counts_key, load_closed_episode, load_episode, load_group, load_task_count
 from tests.streams_data import Episode, events_of, recorded_stream
 
 NS = "unit"
@@ -38,9 +40,18 @@ def partition(key: bytes) -> int:
     return zlib.crc32(key) % P
 
 
+def next_offset(app: StreamsApp, agent: Any, stage: str, p: int) -> None:
+    """Offsets as a broker gives them: each partition's go on from the last message put to it in this app
+    (a test context alone would start at 0 again, which the worker takes for a replay after a crash)."""
+    offsets = app.__dict__.setdefault("test_offsets", Counter())
+    agent.sent_offset = offsets[(stage, p)]
+    offsets[(stage, p)] += 1
+
+
 async def put_events(app: StreamsApp, messages: list[tuple[bytes, bytes]]) -> None:
     async with app.stage_agents["assemble"].test_context() as agent:  # type: ignore[attr-defined]
         for key, value in messages:
+            next_offset(app, agent, "assemble", partition(key))
             await agent.put(value, key=key, partition=partition(key), timestamp=1_700_000_000.0)
 
 
@@ -48,6 +59,7 @@ async def put_trajectories(app: StreamsApp, outbox: MemoryOutbox) -> None:
     async with app.stage_agents["group"].test_context() as agent:  # type: ignore[attr-defined]
         for sent in outbox.to(f"{NS}.trajectories"):
             assert sent.key is not None
+            next_offset(app, agent, "group", partition(sent.key))
             await agent.put(sent.value, key=sent.key, partition=partition(sent.key))
 
 
@@ -92,7 +104,7 @@ def test_table_writes_go_to_the_changelog_partition_of_the_episode() -> None:
     app, outbox = make_app()
     messages = episode_messages(Episode("ep-a", "g", "math", 2, True), Episode("ep-b", "g", "math", 2, False))
     asyncio.run(put_events(app, messages[:2]))  # ep-a half sent
-    writes = outbox.to(f"{NS}.streams-episodes-changelog")
+    writes = [w for w in outbox.to(f"{NS}.streams-episodes-changelog") if w.key != counts_key(partition(b"ep-a"))]
     assert {(w.key, w.partition) for w in writes} == {(b"ep-a", partition(b"ep-a"))}
     assert load_episode(writes[-1].value).state.turns[0].text.endswith("7")  # type: ignore[arg-type]
     asyncio.run(put_events(app, messages[2:]))
@@ -397,15 +409,28 @@ def test_claim_checked_turns_are_resolved_or_dead_lettered() -> None:
     assert decoded(outbox2, "trajectories") == []
 
 
-def test_the_metrics_timer_publishes_a_window() -> None:
+def test_the_metrics_timer_publishes_a_window_in_event_time_and_the_cumulative_counters() -> None:
     app, outbox = make_app()
-    asyncio.run(put_events(app, episode_messages(Episode("ep-i", "g", "table", 2, True))))
+    ts = 1_500_000_000_000  # events from 2017: a replay of history
+    messages = episode_messages(Episode("ep-i", "g", "table", 2, True), ts=ts)
+    asyncio.run(put_events(app, messages))
     asyncio.run(app.pipeline.flush_metrics())  # type: ignore[attr-defined]
     metrics = decoded(outbox, "pipeline.metrics")
     assert all(isinstance(m, PipelineMetric) and m.source == "streams" for m in metrics)
-    names = {(m.name, m.labels.get("domain", "")) for m in metrics}
-    assert {("rollout/reward_mean", "table"), ("rollout/reward_std", "table"), ("streams/events", ""),
-            ("streams/events_per_s", ""), ("streams/open_episodes", "")} <= names
+    window = [m for m in metrics if not m.total]
+    names = {(m.name, m.labels.get("domain", "")) for m in window}
+    assert {("rollout/reward_mean", "table"), ("rollout/reward_std", "table"), ("streams/events_per_s", ""),
+            ("streams/open_episodes", "")} <= names
+    newest = max(codec.decode(v).ts for _, v in messages)
+    assert {m.window_end for m in metrics} == {newest}  # the newest event's time, not the worker's clock
+    totals = {(m.name, m.labels["partition"]): m.value for m in metrics if m.total}
+    assert totals == {("streams/events", str(partition(b"ep-i"))): len(messages),
+                      ("streams/accepted", str(partition(b"ep-i"))): len(messages),
+                      ("streams/trajectories", str(partition(b"ep-i"))): 1}
+    asyncio.run(put_events(app, episode_messages(Episode("ep-j", "g", "table", 2, True), ts=ts + 60_000)))
+    asyncio.run(app.pipeline.flush_metrics())  # type: ignore[attr-defined]
+    later = [m for m in decoded(outbox, "pipeline.metrics")[len(metrics):] if not m.total]
+    assert {(m.window_start, m.window_end) for m in later} == {(newest, newest + 60_000)}
 
 
 def test_each_table_reads_its_changelog_back_as_recovery_does() -> None:
@@ -596,3 +621,63 @@ def test_records_of_a_partition_paused_since_the_fetch_are_rewound_and_the_other
     delivered, gaps, rewinds = drain_once(app, monkeypatch, fetch)
     assert delivered == [(trajectories, 7), (trajectories, 8)] and gaps == []
     assert rewinds == [{events: 0}]
+
+
+# ---- counters across a crash ------------------------------------------------------------------------------
+
+LOADERS = {"episodes": load_episode, "seen": load_closed_episode, "groups": load_group, "taskstats": load_task_count}
+
+
+def landed(outbox: MemoryOutbox, rng: random.Random) -> list[Any]:
+    """What a kill -9 can leave on the broker: everything sent before some flush returned, then of what was
+    sent after it (until the next flush), a prefix of each topic partition (an idempotent producer keeps
+    each partition's order and never leaves a gap)."""
+    barriers = [0, *outbox.flushed_at]
+    cut = rng.randrange(len(barriers))
+    start, end = barriers[cut], (barriers[cut + 1] if cut + 1 < len(barriers) else len(outbox.sent))
+    tail = outbox.sent[start:end]
+    keep = {(s.topic, s.partition): rng.randint(0, sum(1 for t in tail if (t.topic, t.partition) == (s.topic,
+                                                                                                   s.partition)))
+            for s in tail}
+    out = list(outbox.sent[:start])
+    for sent in tail:
+        if keep[(sent.topic, sent.partition)] > 0:
+            keep[(sent.topic, sent.partition)] -= 1
+            out.append(sent)
+    return out
+
+
+def recover(app: StreamsApp, writes: list[Any]) -> None:
+    """The tables as Faust recovers them from these changelog records."""
+    for name, load in LOADERS.items():
+        data = getattr(app.pipeline.tables, name).table.data  # type: ignore[attr-defined]
+        for write in writes:
+            if write.topic == f"{NS}.streams-{name}-changelog":
+                if write.value is None:
+                    data.pop(write.key, None)
+                else:
+                    data[write.key] = load(write.value)
+
+
+def totals(app: StreamsApp) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for record in counting.records("streams", (app.pipeline.episode_tally,), 0):  # type: ignore[attr-defined]
+        key = (record.name, tuple(sorted(record.labels.items())))
+        out[key] = out.get(key, 0.0) + record.value
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_counters_after_a_crash_anywhere_and_a_replay_from_the_start_equal_one_clean_pass(seed: int) -> None:
+    stream = recorded_stream(seed=seed)
+    rng = random.Random(seed)
+    clean, _ = make_app()
+    asyncio.run(put_events(clean, stream.messages))
+    crashed, outbox = make_app()
+    asyncio.run(put_events(crashed, stream.messages[:rng.randrange(len(stream.messages))]))
+    restarted, _ = make_app()
+    recover(restarted, landed(outbox, rng))
+    asyncio.run(put_events(restarted, stream.messages))  # nothing was committed: the whole log again
+    want = totals(clean)
+    assert want[("streams/events", (("partition", "0"),))] > 0
+    assert totals(restarted) == want
