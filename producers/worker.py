@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 from infra.kafka import Publisher
@@ -18,7 +18,7 @@ from infra.metrics import Metrics, publish
 from infra.objectstore import ObjectStore
 from infra.settings import Settings
 from producers.checkpoints import CheckpointFollower, fetch_verified, find_announcement
-from producers.demonstrations import publish_demonstrations
+from producers.demonstrations import DemonstrationBackend, DemonstrationRunner, publish_demonstrations
 from producers.episodes import EpisodeRunner, StepSummary
 from producers.feeds import TaskStatsFollower
 from producers.policy import make_backend
@@ -241,9 +241,12 @@ class RolloutWorker:
         """The tasks' gold completions as demonstration episodes (for the SFT warm start), then done."""
         s = self.settings
         tasks = (self.mixer.next() for _ in range(s.demonstrations))
+        played = DemonstrationRunner(DemonstrationBackend(self.backend.tokenizer), self.code_runner, self.sink.emit,
+                                     replace(s, group_size=1), max_context=context_limit(self.backend),
+                                     flush=self.sink.flush)
         try:
             self.stats.episodes = publish_demonstrations(tasks, self.backend.tokenizer, s.ns, s.producer_id,
-                                                         self.sink.emit)
+                                                         self.sink.emit, played)
         finally:
             self.sink.close()
             self.code_runner.close()

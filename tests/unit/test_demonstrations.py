@@ -1,16 +1,28 @@
 """Demonstrations: each source's gold completion, recorded as an episode, is scored as solving its task."""
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from producers.demonstrations import demonstration_events
+
+from learner.update import TrainConfig, skip_reason
+from producers.demonstrations import (
+    DemonstrationBackend,
+    DemonstrationRunner,
+    demonstration_events,
+    publish_demonstrations,
+)
 from producers.policy.tokenizer import PolicyTokenizer
+from producers.sandbox import unavailable_reason
+from producers.sandbox_runner import SandboxCodeRunner
+from producers.settings import WorkerSettings
 from producers.tasks import load_source
 from producers.tasks.split import SplitSource
 from producers.tasks.strings import StringReversalSource
 from schemas.errors import ConfigError
 from schemas.packing import unpack_ids
-from schemas.records import DEMONSTRATION_VERSION, PolicyTurn, SourcePosition
+from schemas.records import DEMONSTRATION_VERSION, PolicyTurn, RolloutEvent, SourcePosition
 from streams import assembly
 from streams.scoring import Scorer
 from streams.validation import validate
@@ -66,3 +78,38 @@ def test_reversal_tasks_are_reproducible_and_held_out_words_are_never_trained() 
     task = a[0]
     assert task.spec["answer"] == task.prompt.removeprefix("reverse ").removesuffix(":")[::-1]
     assert 3 <= len(task.spec["answer"]) <= 6
+
+
+@pytest.mark.skipif(unavailable_reason("bwrap") is not None, reason=f"the bwrap sandbox: {unavailable_reason('bwrap')}")
+@pytest.mark.parametrize("name", ["humaneval", "terminal"])
+def test_demonstrations_checked_by_running_them_are_played_in_the_sandbox_and_imitated(
+        tokenizer: PolicyTokenizer, name: str) -> None:
+    """Code and terminal answers are verified by their sandbox results: a demonstration has them (the gold
+    solution ran against the tests; the fixing call and `submit` ran on the repository), so it scores as
+    solved and the SFT phase imitates it."""
+    source = load_source(name)
+    tasks = [source[i] for i in (0, 3, 7, 11)]
+    events: list[RolloutEvent] = []
+    settings = WorkerSettings(ns="run", producer_id="demos", group_size=1, prompts_per_step=1, max_new_tokens=64)
+    runner = SandboxCodeRunner("bwrap", workers=2)
+    try:
+        played = DemonstrationRunner(DemonstrationBackend(tokenizer), runner, events.append, settings,
+                                     max_context=1 << 16)
+        assert publish_demonstrations(tasks, tokenizer, "run", "demos", events.append, played) == len(tasks)
+    finally:
+        runner.close()
+    states: dict[str, Any] = {}
+    for offset, event in enumerate(events):
+        validate(event)
+        states[event.episode_id] = assembly.fold(states.get(event.episode_id), event, SourcePosition(0, offset))
+    scorer, config = Scorer.load("default", "1"), TrainConfig(algorithm="sft")
+    assert len(states) == len(tasks)
+    for state in states.values():
+        scored = scorer.score(assembly.to_trajectory(state, "run.rollout.events"))
+        assert scored.status == "completed" and all(t.outcome == "passed" for t in scored.turns if t.outcome)
+        assert scored.reward_components["outcome/tests_passed"] == 1.0, [t.text for t in scored.turns]
+        assert scored.reward_components["status/demonstration"] == 1.0
+        assert {t.policy_version for t in scored.turns} == {DEMONSTRATION_VERSION}
+        assert skip_reason(scored, config) is None  # the SFT phase trains on it
+    if name == "terminal":  # the fixing call, then submit, each with its result
+        assert {len(state.turns) for state in states.values()} == {2}
