@@ -97,8 +97,14 @@ def sft_version(args: argparse.Namespace) -> int:
     return -(-args.sft_updates // args.sft_updates_per_checkpoint)
 
 
+# A pretrained model's learner takes micro-batches of at most this many tokens: SmolLM2's 49k-word logits take
+# ~0.6 MB a token, and an SFT batch of 64 terminal demonstrations (~45k tokens) in one piece took 20 GB here.
+PRETRAINED_MICRO_BATCH_TOKENS = 2048
+
+
 def plan(args: argparse.Namespace, ns: str) -> list[Service]:
     model = ["--model", args.model] if args.model else ["--layers", str(args.layers), "--width", str(args.width)]
+    memory = ["--micro-batch-tokens", str(PRETRAINED_MICRO_BATCH_TOKENS)] if args.model else []
     sampling = ["--temperature", str(args.temperature)]
     backend = ["--backend", args.backend]
     workers = [Service(f"producer-{i}", ["producers", "--ns", ns, "--sources", args.sources, "--group-size",
@@ -124,7 +130,8 @@ def plan(args: argparse.Namespace, ns: str) -> list[Service]:
                             str(args.sft_updates_per_checkpoint), "--lr", str(args.lr), "--sft-lr", str(args.sft_lr),
                             "--warmup-updates", str(warmup_updates(args)),
                             "--max-policy-lag", "2", "--device", args.learner_device, "--keep-last",
-                            str(args.keep_last), "--keep-every", str(args.keep_every), *sampling, *model]),
+                            str(args.keep_last), "--keep-every", str(args.keep_every), *sampling, *memory,
+                            *model]),
         *teacher,
         *workers,
         Service("monitor", ["consumers.monitor", "--ns", ns, "--no-tui", "--port", str(args.monitor_port)]),

@@ -89,6 +89,13 @@ class World:
         torch.distributed.all_reduce(t)
         return float(t.item())
 
+    def maximum(self, value: float) -> float:
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return float(t.item())
+
     def sum_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """Every rank's figures summed, key by key (a rank with no share lacks the loss's keys)."""
         if not self.distributed:

@@ -144,7 +144,7 @@ class Evaluation:
             for version in versions:
                 for mode in self.args.modes.split(","):
                     started = time.monotonic()
-                    if self.spawn("producers", *self.worker(ns, version, mode)).wait(timeout=self.args.timeout) != 0:
+                    if self.finish(self.spawn("producers", *self.worker(ns, version, mode)), version, mode) != 0:
                         raise PipelineError(f"the evaluation worker for v{version} ({mode}) failed")
                     expected += self.args.episodes
                     print(f"v{version} {mode}: {self.args.episodes} held-out episodes in "
@@ -160,6 +160,17 @@ class Evaluation:
         unique = {t.trajectory_id: t for t in trajectories}  # at-least-once upstream: dedupe by id
         return [summarise(v, mode, [t for t in unique.values() if self.of(t, v, mode)])
                 for v in versions for mode in self.args.modes.split(",")]
+
+    def finish(self, worker: subprocess.Popen[bytes], version: int, mode: str) -> int:
+        """The worker's exit code; past --timeout it is killed (never left generating) and that is an error."""
+        try:
+            return worker.wait(timeout=self.args.timeout)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+            raise PipelineError(f"the evaluation worker for v{version} ({mode}) did not finish {self.args.episodes} "
+                                f"episodes within --timeout {self.args.timeout:.0f} s and was stopped: raise --timeout "
+                                "(a pretrained model's multi-turn episodes take minutes on a CPU)") from None
 
     @staticmethod
     def of(t: Trajectory, version: int, mode: str) -> bool:

@@ -38,7 +38,8 @@ KEEP_IDS = 1000  # batch ids carried from checkpoint to checkpoint (plus the new
 def train_config(s: LearnerSettings, algorithm: str) -> TrainConfig:
     rl = algorithm in ("grpo", "ppo")
     lr = s.sft_lr if algorithm == "sft" and s.sft_lr is not None else s.lr
-    return TrainConfig(algorithm=algorithm, lr=lr, grad_accum=s.grad_accum, clip_eps=s.clip_eps,
+    return TrainConfig(algorithm=algorithm, lr=lr, grad_accum=s.grad_accum, micro_batch_tokens=s.micro_batch_tokens,
+                       clip_eps=s.clip_eps,
                        dual_clip=s.dual_clip, kl_coef=s.kl_coef if rl else 0.0,
                        temperature=s.temperature if rl else 1.0,
                        max_policy_lag=s.max_policy_lag, lag_mode=s.lag_mode if algorithm in ("grpo", "ppo") else "drop",

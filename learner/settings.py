@@ -35,6 +35,7 @@ class LearnerSettings:
     dual_clip: float | None = 3.0
     reference_version: int = 0  # the checkpoint KL and DPO anchor to, loaded from the store after a restart
     grad_accum: int = 1
+    micro_batch_tokens: int = 0
     max_len: int = 2048
     layers: int = 4
     width: int = 256
@@ -143,6 +144,9 @@ def parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
     p.add_argument("--reference-version", type=int, default=0,
                    help="checkpoint version the KL / DPO reference is (read from the store after a restart)")
     p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--micro-batch-tokens", type=int, default=0,
+                   help="split micro-batches until each holds at most this many padded tokens (0: off): bounds "
+                        "the learner's memory; a pretrained model's logits take ~vocabulary x 12 bytes a token")
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=256)
@@ -217,7 +221,8 @@ def from_args(argv: list[str] | None = None, env: Optional[Mapping[str, str]] = 
         max_updates=a.max_updates, idle_exit_s=a.idle_exit,
         max_policy_lag=a.max_policy_lag, lag_mode=a.lag_mode, temperature=a.temperature, kl_coef=a.kl_coef,
         clip_eps=a.clip_eps, dual_clip=a.dual_clip or None, reference_version=a.reference_version,
-        grad_accum=a.grad_accum, max_len=a.max_len, layers=a.layers, width=a.width,
+        grad_accum=a.grad_accum, micro_batch_tokens=a.micro_batch_tokens, max_len=a.max_len, layers=a.layers,
+        width=a.width,
         model_dir=resolve_model(a.model_dir) if a.model_dir else None, seed=a.seed, prefetch=a.prefetch, cache_dir=str(Path(a.cache_dir)),
         cache_bytes=a.cache_bytes, grad_checkpointing=a.grad_checkpointing, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm,
         clip_eps_high=a.clip_eps_high, beta=a.beta, loss_agg=a.loss_agg, lag_decay=a.lag_decay,
@@ -236,6 +241,8 @@ def shaping_args(s: LearnerSettings) -> list[str]:
             "--clip-eps", repr(s.clip_eps), "--dual-clip", repr(s.dual_clip or 0.0),
             "--reference-version", str(s.reference_version), "--grad-accum", str(s.grad_accum),
             "--max-len", str(s.max_len), "--seed", str(s.seed)]
+    if s.micro_batch_tokens:  # the same gradient, summed in another order
+        args += ["--micro-batch-tokens", str(s.micro_batch_tokens)]
     if s.sft_lr is not None:
         args += ["--sft-lr", repr(s.sft_lr)]
     if s.warmup_updates:

@@ -20,7 +20,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from learner import sharding
-from learner.batching import Batch, collate
+from learner.batching import Batch, collate, flatten
 from learner.checkpoint_files import (
     CheckpointState,
     OptimizerState,
@@ -67,6 +67,9 @@ class TrainConfig:
     lr: float = 1e-5
     weight_decay: float = 0.0
     grad_accum: int = 1                 # micro-batches per optimizer update
+    # 0: off; else a micro-batch is split further until each holds at most this many (padded) tokens, which
+    # bounds the activations and logits in memory (a pretrained vocabulary makes logits the largest tensor)
+    micro_batch_tokens: int = 0
     max_grad_norm: float = 1.0
     clip_eps: float = 0.2
     clip_eps_high: float | None = None  # None: symmetric clipping
@@ -100,6 +103,7 @@ class TrainConfig:
             (self.loss_agg not in LOSS_AGGS, f"loss_agg={self.loss_agg!r}: use one of {LOSS_AGGS}"),
             (self.lr <= 0, "lr must be > 0, e.g. 1e-5"),
             (self.grad_accum < 1, "grad_accum is the number of micro-batches per update: set it to 1 or more"),
+            (self.micro_batch_tokens < 0, "micro_batch_tokens is a token budget per micro-batch: 0 (off) or more"),
             (self.max_grad_norm <= 0, "max_grad_norm must be > 0; use a large value such as 1e9 to not clip"),
             (not 0 < self.clip_eps < 1, "clip_eps must be in (0, 1), e.g. 0.2"),
             (self.clip_eps_high is not None and self.clip_eps_high <= 0, "clip_eps_high must be > 0, or None"),
@@ -268,6 +272,23 @@ def split(units: Sequence[T], parts: int) -> list[list[T]]:
     return [list(units[i:i + size]) for i in range(0, len(units), size)]
 
 
+def by_tokens(items: Sequence[Weighted], budget: int, max_len: int) -> list[list[Weighted]]:
+    """Contiguous parts of a micro-batch, each padded to its longest row within `budget` tokens (one row per
+    part at least, however long); `budget` 0: the micro-batch whole."""
+    if budget <= 0 or not items:
+        return [list(items)]
+    parts: list[list[Weighted]] = [[]]
+    width = 0
+    for item in items:
+        length = min(len(flatten(item[0]).ids), max_len)
+        if parts[-1] and (len(parts[-1]) + 1) * max(width, length) > budget:
+            parts.append([])
+            width = 0
+        parts[-1].append(item)
+        width = max(width, length)
+    return parts
+
+
 def pair_items(pairs: Sequence[PreferencePair]) -> list[Weighted]:
     """Chosen sequences first, then rejected ones: row i pairs with row i + N."""
     return [(pair.chosen, 1.0) for pair in pairs] + [(pair.rejected, 1.0) for pair in pairs]
@@ -320,7 +341,9 @@ class Trainer:
         """grad_accum padded batches (and pairing counts); DPO batches hold chosen rows, then rejected rows."""
         if self.config.algorithm != "dpo":
             mine = self.world.shard(kept)
-            return [collate(chunk, self.config.max_len) for chunk in split(mine, self.config.grad_accum)], {}
+            parts = [part for chunk in split(mine, self.config.grad_accum)
+                     for part in by_tokens(chunk, self.config.micro_batch_tokens, self.config.max_len)]
+            return [collate(part, self.config.max_len) for part in parts], {}
         pairs, skipped = preference_pairs(trajectory for trajectory, _ in kept)
         chunks = split(self.world.shard(pairs), self.config.grad_accum)
         counts = {"pairs/built": float(len(pairs)), "pairs/skipped_groups": float(skipped)}
@@ -358,8 +381,8 @@ class Trainer:
         metrics = token_stats(batches)
         scale = float(self.world.size) if self.fsdp else 1.0
         slots: list[tuple[Batch | None, float]] = list(zip(batches, sizes))
-        if self.fsdp:
-            slots += [(None, 0.0)] * (self.config.grad_accum - len(slots))
+        if self.fsdp:  # every rank makes as many passes as the rank with the most micro-batches
+            slots += [(None, 0.0)] * (int(self.world.maximum(max(len(slots), self.config.grad_accum))) - len(slots))
         for batch, size in slots:
             if batch is None or size == 0:
                 if self.fsdp:

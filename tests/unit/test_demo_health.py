@@ -4,11 +4,14 @@ from __future__ import annotations
 import argparse
 import math
 import socket
+import subprocess
+import sys
 
 import pytest
 
 from infra.demo import PRESETS, apply_preset, free_port, goals, curve_versions, healthy, parser, plan, sft_version
-from learner.eval import wilson
+from learner.eval import Evaluation, wilson
+from schemas.errors import PipelineError
 
 
 def test_wilson_intervals_match_the_formula_and_stay_in_bounds() -> None:
@@ -91,3 +94,17 @@ def test_the_demo_passes_its_curriculum_to_the_rollout_workers_only() -> None:
     demos = next(s for s in plan(args, "ns") if s.name == "demonstrations").argv
     assert "--curriculum" not in demos  # demonstrations are gold answers: nothing to retire
     assert apply_preset(parser().parse_args([]), []).curriculum == 0
+
+
+def test_an_evaluation_worker_past_its_timeout_is_stopped_and_named() -> None:
+    """A held-out run that outlasts --timeout is an error that says what to raise, and its worker is killed
+    (left running, it went on generating on the machine's cores after the evaluation had failed)."""
+    evaluation = Evaluation.__new__(Evaluation)
+    evaluation.args = argparse.Namespace(timeout=0.5, episodes=16)
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with pytest.raises(PipelineError, match="raise --timeout"):
+            evaluation.finish(worker, 3, "greedy")
+        assert worker.poll() is not None
+    finally:
+        worker.kill()

@@ -141,6 +141,7 @@ def test_observation_and_behaviour_values_off_the_mask_do_not_change_the_loss() 
     ({"algorithm": "dpo", "lag_mode": "downweight"}, "set lag_mode='drop'"),
     ({"algorithm": "sft", "temperature": 0.7}, "set temperature=1.0"),
     ({"grad_accum": 0}, "set it to 1 or more"),
+    ({"micro_batch_tokens": -1}, "0 (off) or more"),
     ({"clip_eps": 1.5}, "clip_eps must be in (0, 1)"),
     ({"lag_mode": "ignore"}, "use one of"),
 ])
@@ -287,6 +288,21 @@ def test_gradient_accumulation_equals_the_whole_batch() -> None:
         batches, _ = trainer.micro_batches([(t, 1.0) for t in trajs])
         trainer.accumulate(batches)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+
+
+def test_a_token_budget_splits_micro_batches_within_it_and_keeps_the_gradient() -> None:
+    grads, shapes = [], []
+    for budget in (0, 40):
+        model = tiny_model()
+        trainer = Trainer(model, TrainConfig(kl_coef=0.05, micro_batch_tokens=budget, loss_agg="token-mean"))
+        batches, _ = trainer.micro_batches([(t, 1.0) for t in _batch_for(model)])
+        shapes.append([tuple(b.input_ids.shape) for b in batches])
+        trainer.accumulate(batches)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert len(shapes[0]) == 1 and len(shapes[1]) > 1, shapes
+    assert all(rows * width <= 40 or rows == 1 for rows, width in shapes[1]), shapes
+    assert sum(rows for rows, _ in shapes[1]) == shapes[0][0][0]  # every trajectory, once
     assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
 
 

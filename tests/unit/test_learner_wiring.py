@@ -15,7 +15,8 @@ def test_every_train_config_field_has_a_flag_that_reaches_it() -> None:
     values = {"weight_decay": 0.01, "max_grad_norm": 0.5, "clip_eps": 0.3, "clip_eps_high": 0.28, "dual_clip": 4.0,
               "kl_coef": 0.05, "beta": 0.2, "loss_agg": "seq-mean-token-mean", "temperature": 0.7,
               "max_policy_lag": 3, "lag_mode": "downweight", "lag_decay": 0.25, "max_len": 512,
-              "grad_accum": 2, "grad_checkpointing": True, "cpu_bf16": True, "fsdp": True, "seed": 7,
+              "grad_accum": 2, "micro_batch_tokens": 4096, "grad_checkpointing": True, "cpu_bf16": True, "fsdp": True,
+              "seed": 7,
               "sft_min_reward": 0.5}
     argv = ["--ns", "wired"]
     for name, value in values.items():
