@@ -45,12 +45,15 @@ class Backend(Protocol):
     `limits_processes`: the process limit is enforced (RLIMIT_NPROC is ignored for root, for instance).
     `nproc_mode`: how the harness sets RLIMIT_NPROC: "absolute" (the limit counts this run only),
     "relative" (the uid's other processes count too, so the harness adds them), or "none" (a cgroup does it).
+    `compiled`: the backend's interpreter is this process's own, so the harness goes in as bytecode
+    (harness.pyc) and no run compiles it; the backend then runs whichever of the two the work dir holds.
     """
 
     name: str
     isolates_files: bool
     limits_processes: bool
     nproc_mode: str
+    compiled: bool
 
     def execute(self, workdir: Path, limits: Limits) -> RawRun:
         ...

@@ -31,10 +31,10 @@ from producers.sandbox.base import (
     host_interpreter,
     interpreter_prefix,
 )
-from producers.sandbox.cgroups import RunCgroup
 from producers.sandbox.process import run_process
+from producers.sandbox.spawner import SlotPool, SpawnerGone
 from producers.sandbox.results import Limits
-from producers.sandbox.workdir import JOB_FILES, REPORT_MAX_BYTES
+from producers.sandbox.workdir import JOB_FILES, REPORT_MAX_BYTES, harness_file
 
 ROOT_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64")
 ETC_FILES = ("/etc/ld.so.cache",)
@@ -62,6 +62,8 @@ class BwrapBackend:
         self.bwrap = found
         self.python = python or host_interpreter()
         self.prefix = interpreter_prefix(self.python)
+        self.compiled = self.python == host_interpreter()
+        self._slots = SlotPool(self.python)
         self._setpriv = shutil.which("setpriv") if identity.running_as_root() else None
         if identity.running_as_root() and not (self._setpriv or "").startswith("/usr/"):
             raise SandboxUnavailable("bwrap as root needs setpriv (util-linux) under /usr to drop to a sandbox uid")
@@ -72,24 +74,33 @@ class BwrapBackend:
         uid = identity.fresh_uid() if self._setpriv else None
         inputs = {name: os.open(workdir / name, os.O_RDONLY) for name in JOB_FILES if (workdir / name).exists()}
         report_r, report_w = os.pipe()
-        group = RunCgroup.create(limits.run_memory_bytes, limits.processes + PROCESS_HEADROOM) \
+        slot = self._slots.acquire(limits.run_memory_bytes, limits.processes + PROCESS_HEADROOM) \
             if self.bounds_run_memory else None
         try:
-            argv = self.argv(inputs, report_w, limits, uid)
-            raw = run_process(argv if group is None else group.wrap(argv), cwd="/", env={"PATH": "/usr/bin:/bin"},
+            raw = run_process(self.argv(inputs, report_w, limits, uid), cwd="/", env={"PATH": "/usr/bin:/bin"},
                               wall_time_s=limits.wall_time_s, output_bytes=limits.output_bytes,
-                              pass_fds=(*inputs.values(), report_w))
+                              pass_fds=(*inputs.values(), report_w),
+                              spawner=None if slot is None else slot.spawner)
             os.close(report_w)
             report_w = -1
             raw.report = _read_available(report_r, REPORT_MAX_BYTES)
-            raw.oom_killed = group is not None and group.oom_killed()
+            raw.oom_killed = slot is not None and slot.group.oom_killed()
+        except SpawnerGone as exc:
+            if slot is not None:
+                self._slots.discard(slot)
+                slot = None
+            raw = RawRun(infra_error=str(exc))
         finally:
             for fd in (*inputs.values(), report_r, report_w):
                 if fd >= 0:
                     os.close(fd)
-            if group is not None:
-                group.remove()
+            if slot is not None:
+                self._slots.release(slot)
         return _decode_status(raw)
+
+    def close(self) -> None:
+        """Stop the spawners and remove the cgroups kept for later runs (also done at exit)."""
+        self._slots.close()
 
     def argv(self, inputs: dict[str, int], report_fd: int, limits: Limits, uid: int | None) -> list[str]:
         """The full bwrap command line for one run (also handy to read what the sandbox contains).
@@ -109,7 +120,7 @@ class BwrapBackend:
                 "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", SANDBOX_DIR,
                 "--setenv", "TMPDIR", "/tmp", "--setenv", "LC_ALL", "C.UTF-8",
                 *self._drop_privileges(uid),
-                self.python, *PYTHON_FLAGS, f"{SANDBOX_DIR}/harness.py", SANDBOX_DIR, str(report_fd)]
+                self.python, *PYTHON_FLAGS, f"{SANDBOX_DIR}/{harness_file(inputs)}", SANDBOX_DIR, str(report_fd)]
 
     def _namespaces(self) -> tuple[str, ...]:
         return PRIVILEGED_NAMESPACES if self._setpriv else ("--unshare-all",)

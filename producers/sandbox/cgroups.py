@@ -6,6 +6,10 @@
     group.oom_killed()                                             # did the limit kill something?
     group.remove()
 
+A backend keeps a group for many runs, one after another (see `spawner.py`): `start_run` sets the bounds
+of the next one and notes the OOM count, so one run's OOM kill is never blamed on the next, and `vacate`
+waits until every process of the last run is gone.
+
 cgroup v2 when the unified hierarchy at /sys/fs/cgroup (or /sys/fs/cgroup/unified) has the memory and
 pids controllers enabled for a child, else v1's memory and pids hierarchies. Creating groups needs write
 access to them (root, or a delegated subtree); `unavailable_reason()` says why not.
@@ -73,6 +77,8 @@ def unavailable_reason() -> Optional[str]:
 class RunCgroup:
     layout: Layout
     dirs: tuple[Path, ...]
+    limits: tuple[int, int] = (0, 0)  # (memory_bytes, processes) last written
+    oom_base: int = 0  # the OOM-kill count when the current run started
 
     @classmethod
     def create(cls, memory_bytes: int, processes: int) -> Optional["RunCgroup"]:
@@ -84,29 +90,66 @@ class RunCgroup:
         memory.mkdir()
         dirs = [memory]
         try:
-            if where.version == 2:
-                (memory / "memory.max").write_text(str(memory_bytes))
-                if (memory / "memory.swap.max").exists():
-                    (memory / "memory.swap.max").write_text("0")
-                if (memory / "pids.max").exists():
-                    (memory / "pids.max").write_text(str(processes))
-            else:
-                (memory / "memory.limit_in_bytes").write_text(str(memory_bytes))
-                swap = memory / "memory.memsw.limit_in_bytes"
-                if swap.exists():
-                    try:
-                        swap.write_text(str(memory_bytes))
-                    except OSError:
-                        pass  # no swap accounting: the limit still holds for RAM
-                if where.pids is not None:
-                    pids = where.pids / name
-                    pids.mkdir()
-                    dirs.append(pids)
-                    (pids / "pids.max").write_text(str(processes))
+            if where.version == 1 and where.pids is not None:
+                pids = where.pids / name
+                pids.mkdir()
+                dirs.append(pids)
+            group = cls(where, tuple(dirs))
+            if where.version == 2 and (memory / "memory.swap.max").exists():
+                (memory / "memory.swap.max").write_text("0")
+            group.start_run(memory_bytes, processes)
         except OSError:
             RunCgroup(where, tuple(dirs)).remove()
             raise
-        return cls(where, tuple(dirs))
+        return group
+
+    def start_run(self, memory_bytes: int, processes: int) -> None:
+        """Set the bounds of the next run and note the OOM count.
+
+        The process bound is `processes` above what the empty group still counts: a run's pid namespace
+        is torn down after its last process is gone, and the pids controller keeps counting it for a
+        second or two. The exact per-run bound is RLIMIT_NPROC of the run's own uid (see the backends);
+        this one stops a fork bomb all the same.
+        """
+        memory = self.dirs[0]
+        if memory_bytes != self.limits[0]:
+            if self.layout.version == 2:
+                (memory / "memory.max").write_text(str(memory_bytes))
+            else:
+                self._set_v1_memory(memory, memory_bytes)
+        pids = self.dirs[-1] if self.layout.version == 1 else memory
+        if (pids / "pids.max").exists():
+            (pids / "pids.max").write_text(str(processes + self._pids_counted(pids)))
+        self.limits = (memory_bytes, processes)
+        if self.layout.version == 1:
+            (memory / "memory.failcnt").write_text("0")
+        self.oom_base = self._oom_count()
+
+    @staticmethod
+    def _pids_counted(pids: Path) -> int:
+        try:
+            return int((pids / "pids.current").read_text())
+        except (OSError, ValueError):
+            return 0
+
+    @staticmethod
+    def _set_v1_memory(memory: Path, memory_bytes: int) -> None:
+        """v1 wants memory <= memory+swap at every step: the order of the two writes depends on the way."""
+        limit, swap = memory / "memory.limit_in_bytes", memory / "memory.memsw.limit_in_bytes"
+        writes = [(limit, memory_bytes), (swap, memory_bytes)]
+        try:
+            lowering = int(limit.read_text()) > memory_bytes
+        except (OSError, ValueError):
+            lowering = True
+        for path, value in (writes if lowering else writes[::-1]):
+            if path is swap and not swap.exists():
+                continue
+            try:
+                path.write_text(str(value))
+            except OSError:
+                if path is limit:
+                    raise
+                # no swap accounting: the limit still holds for RAM
 
     def wrap(self, argv: list[str]) -> list[str]:
         """argv run by a shell that first moves itself into every group of the run (children follow)."""
@@ -115,18 +158,42 @@ class RunCgroup:
         return ["/bin/sh", "-c", script, "sh", *procs, "--", *argv]
 
     def oom_killed(self) -> bool:
+        """Did the limit kill a process of the run started by the last `start_run`?"""
+        if self._oom_count() > self.oom_base:
+            return True
+        if self.layout.version == 1:  # a kernel without the oom_kill line: a failed charge is the sign
+            try:
+                events = (self.dirs[0] / "memory.oom_control").read_text()
+                return "oom_kill" not in events and int((self.dirs[0] / "memory.failcnt").read_text() or 0) > 0
+            except (OSError, ValueError):
+                return False
+        return False
+
+    def _oom_count(self) -> int:
         memory = self.dirs[0]
         try:
-            if self.layout.version == 2:
-                events = (memory / "memory.events").read_text()
-            else:
-                events = (memory / "memory.oom_control").read_text()
-                if int((memory / "memory.failcnt").read_text() or 0) > 0 and "oom_kill" not in events:
-                    return True
+            events = (memory / ("memory.events" if self.layout.version == 2 else "memory.oom_control")).read_text()
         except OSError:
-            return False
+            return 0
         counts = dict(line.split() for line in events.splitlines() if len(line.split()) == 2)
-        return int(counts.get("oom_kill", "0")) > 0
+        return int(counts.get("oom_kill", "0"))
+
+    def vacate(self, keep: int | None = None, attempts: int = 50) -> bool:
+        """Kill what is left of the run and wait (up to a second) until no process but `keep` is in the group."""
+        for _ in range(attempts):
+            if not any(set(self._members(d)) - {str(keep)} for d in self.dirs):
+                return True
+            for d in self.dirs:
+                self._kill_all(d, keep)
+            time.sleep(0.02)
+        return False
+
+    @staticmethod
+    def _members(d: Path) -> list[str]:
+        try:
+            return (d / "cgroup.procs").read_text().split()
+        except OSError:
+            return []
 
     def remove(self) -> None:
         """Remove the groups once their processes are gone (they die with the run: a short wait at most)."""
@@ -142,13 +209,16 @@ class RunCgroup:
                     time.sleep(0.02)
 
     @staticmethod
-    def _kill_all(d: Path) -> None:
+    def _kill_all(d: Path, keep: int | None = None) -> None:
         try:
             pids = (d / "cgroup.procs").read_text().split()
         except OSError:
             return
         for pid in pids:
+            if pid == str(keep):
+                continue
             try:
                 os.kill(int(pid), 9)
             except (ProcessLookupError, PermissionError, ValueError):
                 pass
+

@@ -26,6 +26,7 @@ class DockerBackend:
     name = "docker"
     isolates_files = True
     limits_processes = True
+    compiled = False  # the image's interpreter may be another version: it gets the source
     nproc_mode = "none"  # the pids cgroup limits the container; RLIMIT_NPROC would count other nobodies
 
     def __init__(self, image: str | None = None, client: Any = None) -> None:

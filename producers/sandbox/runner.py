@@ -32,7 +32,7 @@ def run_tests(solution_code: str, test_code: str, entry_point: str, limits: Limi
         raw = RawRun(infra_error=f"the test code cannot be instrumented: {exc}")
         return classify(raw, None, RunFacts(limits, 0, chosen.name, _elapsed_ms(started)))
     job = _job(solution_code, tests, entry_point, limits, chosen)
-    with job_dir(job, tests.source) as workdir:
+    with job_dir(job, tests.source, compiled=chosen.compiled) as workdir:
         raw = _execute(chosen, workdir.path, limits)
         report = read_report(workdir, raw.report)
     return classify(raw, report, RunFacts(limits, tests.assert_count, chosen.name, _elapsed_ms(started)))

@@ -13,6 +13,7 @@ all (`limits_processes` is False). Use bwrap or docker for untrusted code.
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from producers.sandbox import identity
 from producers.sandbox.base import PYTHON_FLAGS, RawRun, host_interpreter
 from producers.sandbox.process import run_process
 from producers.sandbox.results import Limits
+from producers.sandbox.workdir import harness_file
 
 
 
@@ -43,6 +45,7 @@ class SubprocessBackend:
 
     def __init__(self, python: str | None = None) -> None:
         self.python = python or host_interpreter()
+        self.compiled = self.python == host_interpreter()
         self.drops_privileges = identity.running_as_root() and usable_by_other_uid(self.python)
         self.limits_processes = self.drops_privileges or not identity.running_as_root()
         # Without a fresh uid the uid's other processes count against RLIMIT_NPROC: the harness adds them.
@@ -52,7 +55,7 @@ class SubprocessBackend:
         uid = identity.fresh_uid() if self.drops_privileges else None
         if uid is not None:
             identity.hand_over(workdir, uid)
-        argv = [self.python, *PYTHON_FLAGS, str(workdir / "harness.py"), str(workdir)]
+        argv = [self.python, *PYTHON_FLAGS, str(workdir / harness_file(os.listdir(workdir))), str(workdir)]
         env = {"PATH": "/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir), "LC_ALL": "C.UTF-8"}
         return run_process(argv, cwd=str(workdir), env=env, wall_time_s=limits.wall_time_s,
                            output_bytes=limits.output_bytes, user=uid,

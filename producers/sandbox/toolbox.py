@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 REPORT_HEADER = "trajpipe-tool 1"
 PR_SET_DUMPABLE = 4
+RTLD_NOW = 2
 MAX_FILES = 64
 MAX_FILE_BYTES = 64 << 10
 MAX_REPO_BYTES = 256 << 10
@@ -56,9 +57,14 @@ def child_limits(limits: dict[str, Any]) -> None:
 
 def make_undumpable() -> None:
     try:
-        import ctypes
+        # _ctypes, not ctypes: the package costs about 4 ms to import, a tenth of a run
+        from _ctypes import FUNCFLAG_CDECL, CFuncPtr, dlopen, dlsym
 
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+        class CFunction(CFuncPtr):  # returns a C int, takes Python ints as C ints
+            _flags_ = FUNCFLAG_CDECL
+
+        libc = dlopen(None, RTLD_NOW)  # type: ignore[arg-type]  # None: the program itself, as dlopen(3)
+        CFunction(dlsym(libc, "prctl"))(PR_SET_DUMPABLE, 0, 0, 0, 0)
     except Exception:  # the isolation still holds, only this hardening is lost
         pass
 

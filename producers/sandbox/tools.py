@@ -109,7 +109,7 @@ class Toolbox:
                           "file_bytes": limits.file_bytes,
                           "processes": None if self.backend.nproc_mode == "none" else limits.processes,
                           "processes_base": 1}}
-        with job_dir(job, None, TOOLBOX_SOURCE) as workdir:
+        with job_dir(job, None, TOOLBOX_SOURCE, self.backend.compiled) as workdir:
             raw = self._execute(workdir, limits)
             report = read_tool_report(workdir, raw.report)
         if raw.infra_error:
