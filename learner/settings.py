@@ -13,6 +13,12 @@ from learner.losses import LOSS_AGGS
 from schemas.errors import ConfigError
 from schemas.topics import Topics
 
+# Padded tokens per micro-batch unless --micro-batch-tokens says otherwise. One GRPO batch of 64 reasoning-gym
+# trajectories (~2k byte-level tokens each) in one piece took the small model 15.5 GB and 72 s here, and the
+# learner was killed and restarted into it again; in parts of 8192 tokens 2.5 GB and 42 s. The demo's own
+# batches (a few dozen tokens a row) are split into a handful of parts at most.
+DEFAULT_MICRO_BATCH_TOKENS = 8192
+
 
 @dataclass(frozen=True)
 class LearnerSettings:
@@ -35,7 +41,7 @@ class LearnerSettings:
     dual_clip: float | None = 3.0
     reference_version: int = 0  # the checkpoint KL and DPO anchor to, loaded from the store after a restart
     grad_accum: int = 1
-    micro_batch_tokens: int = 0
+    micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS
     max_len: int = 2048
     layers: int = 4
     width: int = 256
@@ -144,7 +150,7 @@ def parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
     p.add_argument("--reference-version", type=int, default=0,
                    help="checkpoint version the KL / DPO reference is (read from the store after a restart)")
     p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--micro-batch-tokens", type=int, default=0,
+    p.add_argument("--micro-batch-tokens", type=int, default=DEFAULT_MICRO_BATCH_TOKENS,
                    help="split micro-batches until each holds at most this many padded tokens (0: off): bounds "
                         "the learner's memory; a pretrained model's logits take ~vocabulary x 12 bytes a token")
     p.add_argument("--max-len", type=int, default=2048)
@@ -241,8 +247,7 @@ def shaping_args(s: LearnerSettings) -> list[str]:
             "--clip-eps", repr(s.clip_eps), "--dual-clip", repr(s.dual_clip or 0.0),
             "--reference-version", str(s.reference_version), "--grad-accum", str(s.grad_accum),
             "--max-len", str(s.max_len), "--seed", str(s.seed)]
-    if s.micro_batch_tokens:  # the same gradient, summed in another order
-        args += ["--micro-batch-tokens", str(s.micro_batch_tokens)]
+    args += ["--micro-batch-tokens", str(s.micro_batch_tokens)]  # the same gradient, summed in another order
     if s.sft_lr is not None:
         args += ["--sft-lr", repr(s.sft_lr)]
     if s.warmup_updates:

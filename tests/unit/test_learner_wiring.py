@@ -75,3 +75,30 @@ def test_every_learner_flag_also_reads_its_environment_variable() -> None:
     for bad in ({ENV_PREFIX + "LR": "fast"}, {ENV_PREFIX + "LAG_MODE": "sometimes"}, {ENV_PREFIX + "CPU_BF16": "maybe"}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             from_args(["--ns", "wired"], env=bad)
+
+
+def test_a_learner_with_default_settings_trains_long_trajectories_in_bounded_micro_batches() -> None:
+    """64 reasoning-gym trajectories of ~2k tokens made one 130k-token micro-batch by default: 15.5 GB, and the
+    supervisor restarted the killed learner into the same batch. By default each part now holds 8192 tokens."""
+    import uuid
+
+    from learner.model import build_policy
+    from learner.update import Trainer
+    from schemas.packing import pack_floats, pack_ids
+    from schemas.records import Trajectory, TrajectoryTurn
+
+    def long_trajectory() -> Trajectory:
+        turn = TrajectoryTurn(turn=0, policy_version=0, obs_text="", obs_tokens=pack_ids([]), text="",
+                              tokens=pack_ids([40] * 32), logprobs=pack_floats([-1.0] * 32), finish_reason="stop")
+        return Trajectory(
+            trajectory_id=uuid.uuid4().hex, episode_id=uuid.uuid4().hex, group_id="g", task_id="t",
+            domain="rg/leg_counting", run="test", status="completed", task_spec="", prompt_text="",
+            prompt_tokens=pack_ids([50] * 2000), turns=(turn,), reward=1.0, reward_components={}, reward_fn="rg",
+            reward_version="1", advantage=1.0, group_reward_mean=0.0, group_reward_std=0.0, source_topic="t",
+            source_offsets=(), started_ts=0, ended_ts=0)
+
+    settings = from_args(["--ns", "defaults"])
+    trainer = Trainer(build_policy(layers=1, width=32, heads=2, seed=0), train_config(settings, "grpo"))
+    batches, _ = trainer.micro_batches([(long_trajectory(), 1.0) for _ in range(64)])
+    assert sum(b.input_ids.shape[0] for b in batches) == 64
+    assert max(b.input_ids.numel() for b in batches) <= settings.micro_batch_tokens == 8192
