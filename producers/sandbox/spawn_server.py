@@ -1,6 +1,7 @@
 """A spawner that lives in a run cgroup and starts each run there: see `spawner.py` for why.
 
-Started by the host as `python -I -S -B spawn_server.py SOCKET_FD`, already a member of the groups. Standard
+Started by the host as `python -I -S -B spawn_server.py SOCKET_FD GROUP_DIR...`, already a member of the
+groups. Standard
 library only. One run at a time, in lockstep with the host over a SOCK_SEQPACKET socket:
 
     host -> spawn {argv, env, cwd, targets} + the run's descriptors (SCM_RIGHTS), fd i to targets[i]
@@ -10,7 +11,7 @@ library only. One run at a time, in lockstep with the host over a SOCK_SEQPACKET
     here -> "status S"        (the exit code, or -N for signal N, as subprocess reports it)
 
 When the host goes away (the socket reads empty) during a run, the run's process group is killed; when idle,
-the spawner exits. The spawner itself is never the OOM killer's choice (oom_score_adj -1000); each run
+the spawner exits. Either way it leaves its groups and removes them. The spawner itself is never the OOM killer's choice (oom_score_adj -1000); each run
 starts with the default score again.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import select
 import signal
 import socket
 import sys
+import time
 
 MAX_MESSAGE = 1 << 20
 MAX_FDS = 64
@@ -119,9 +121,7 @@ def exit_code(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def main(argv: list[str]) -> None:
-    sock = socket.socket(fileno=int(argv[1]))
-    set_oom_score(-1000)
+def serve(sock: socket.socket) -> None:
     while True:
         message, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS)
         if not message:
@@ -130,6 +130,36 @@ def main(argv: list[str]) -> None:
             return
         if not serve_one(sock, json.loads(message), fds):
             return
+
+
+def leave_and_remove(groups: list[str]) -> None:
+    """Move out of the run groups and remove them, so a host killed -9 leaves none behind (best effort: the
+    host removes them too when it closes the slot; under cgroup v2 the parent may refuse members)."""
+    for group in groups:
+        try:
+            with open(os.path.join(os.path.dirname(group), "cgroup.procs"), "w") as handle:
+                handle.write(str(os.getpid()))
+        except OSError:
+            return
+    for group in groups:
+        for _ in range(50):  # the last run's processes die with its leader, a moment after it
+            try:
+                os.rmdir(group)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.02)
+
+
+def main(argv: list[str]) -> None:
+    """`spawn_server.py SOCKET_FD [GROUP_DIR ...]`: the groups it was started in."""
+    sock = socket.socket(fileno=int(argv[1]))
+    set_oom_score(-1000)
+    try:
+        serve(sock)
+    finally:
+        leave_and_remove(argv[2:])
 
 
 if __name__ == "__main__":

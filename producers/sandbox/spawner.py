@@ -42,7 +42,7 @@ class Spawner:
         host, server = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.process = subprocess.Popen(
-                group.wrap([python, *PYTHON_FLAGS, str(SERVER), str(server.fileno())]),
+                group.wrap([python, *PYTHON_FLAGS, str(SERVER), str(server.fileno()), *map(str, group.dirs)]),
                 cwd="/", env={"PATH": "/usr/bin:/bin"}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 start_new_session=True, pass_fds=(server.fileno(),))
         except BaseException:

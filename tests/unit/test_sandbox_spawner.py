@@ -115,6 +115,10 @@ def test_a_host_killed_9_takes_its_spawner_and_the_run_with_it(backend: BwrapBac
     assert _processes_with(marker), "the run never started"
     spawners = [pid for pid in _processes_with("spawn_server.py") if parent_of(pid) == host.pid]
     assert spawners, "the host started no spawner"
+    groups = [Path(f"/sys/fs/cgroup/{line.split(':')[1]}{line.split(':')[2]}")
+              for line in Path(f"/proc/{spawners[0]}/cgroup").read_text().splitlines()
+              if "trajpipe-run-" in line and line.split(":")[1] in ("memory", "pids", "")]
+    assert groups and all(g.is_dir() for g in groups), groups
     host.kill()
     host.wait()
     deadline = time.monotonic() + 10
@@ -122,6 +126,9 @@ def test_a_host_killed_9_takes_its_spawner_and_the_run_with_it(backend: BwrapBac
             and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _processes_with(marker) == []
+    while any(g.exists() for g in groups) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [g for g in groups if g.exists()] == []  # the spawner removed its groups on its way out
     left = set(spawners) & set(_processes_with("spawn_server.py"))
     assert left == set()
 
