@@ -41,7 +41,8 @@ def store_files(store: ObjectStore, ns: str, version: int, files: Mapping[str, b
     """Steps 1-2: every file verified in the store, then the manifest; returns (manifest key, its sha256)."""
     prefix = checkpoint_prefix(ns, version)
     for name, data in sorted(files.items()):
-        store.put_verified(prefix + name, data)
+        entry = manifest.files.get(name)  # its sha256 is computed once, for the manifest
+        store.put_verified(prefix + name, data, sha256=entry.sha256 if entry is not None else None)
     body = manifest.to_json()
     store.put_verified(prefix + MANIFEST_FILE, body)
     return prefix + MANIFEST_FILE, sha256_hex(body)
