@@ -47,7 +47,6 @@ class InstrumentedTests:
 
 
 @functools.lru_cache(maxsize=1024)  # the same tests come back for every sample and turn of a task
-@functools.lru_cache(maxsize=512)  # a group's samples all run one task's tests: parsed once, not G times
 def instrument_tests(test_code: str, function: str = "check") -> InstrumentedTests:
     """Rewrite `function` in `test_code`; raises SyntaxError or ValueError when the tests are malformed."""
     with _PARSE_LOCK:

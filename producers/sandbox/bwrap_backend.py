@@ -87,7 +87,7 @@ class BwrapBackend:
             raw.oom_killed = slot is not None and slot.group.oom_killed()
         except SpawnerGone as exc:
             if slot is not None:
-                self._slots.discard(slot)
+                slot.close()  # its spawner is gone: the next run gets a fresh slot
                 slot = None
             raw = RawRun(infra_error=str(exc))
         finally:

@@ -77,7 +77,7 @@ def unavailable_reason() -> Optional[str]:
 class RunCgroup:
     layout: Layout
     dirs: tuple[Path, ...]
-    limits: tuple[int, int] = (0, 0)  # (memory_bytes, processes) last written
+    memory_bytes: int = 0  # the memory bound last written
     oom_base: int = 0  # the OOM-kill count when the current run started
 
     @classmethod
@@ -112,7 +112,7 @@ class RunCgroup:
         this one stops a fork bomb all the same.
         """
         memory = self.dirs[0]
-        if memory_bytes != self.limits[0]:
+        if memory_bytes != self.memory_bytes:
             if self.layout.version == 2:
                 (memory / "memory.max").write_text(str(memory_bytes))
             else:
@@ -120,7 +120,7 @@ class RunCgroup:
         pids = self.dirs[-1] if self.layout.version == 1 else memory
         if (pids / "pids.max").exists():
             (pids / "pids.max").write_text(str(processes + self._pids_counted(pids)))
-        self.limits = (memory_bytes, processes)
+        self.memory_bytes = memory_bytes
         if self.layout.version == 1:
             (memory / "memory.failcnt").write_text("0")
         self.oom_base = self._oom_count()
@@ -210,15 +210,10 @@ class RunCgroup:
 
     @staticmethod
     def _kill_all(d: Path, keep: int | None = None) -> None:
-        try:
-            pids = (d / "cgroup.procs").read_text().split()
-        except OSError:
-            return
-        for pid in pids:
+        for pid in RunCgroup._members(d):
             if pid == str(keep):
                 continue
             try:
                 os.kill(int(pid), 9)
             except (ProcessLookupError, PermissionError, ValueError):
                 pass
-

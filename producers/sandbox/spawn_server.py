@@ -1,8 +1,8 @@
 """A spawner that lives in a run cgroup and starts each run there: see `spawner.py` for why.
 
 Started by the host as `python -I -S -B spawn_server.py SOCKET_FD GROUP_DIR...`, already a member of the
-groups. Standard
-library only. One run at a time, in lockstep with the host over a SOCK_SEQPACKET socket:
+groups. Standard library only (it cannot import the package: `leave_and_remove` is its own small twin of
+`RunCgroup.remove`). One run at a time, in lockstep with the host over a SOCK_SEQPACKET socket:
 
     host -> spawn {argv, env, cwd, targets} + the run's descriptors (SCM_RIGHTS), fd i to targets[i]
     here -> "pid N"           (or "error WHY" when the fork or the exec failed)
@@ -11,8 +11,8 @@ library only. One run at a time, in lockstep with the host over a SOCK_SEQPACKET
     here -> "status S"        (the exit code, or -N for signal N, as subprocess reports it)
 
 When the host goes away (the socket reads empty) during a run, the run's process group is killed; when idle,
-the spawner exits. Either way it leaves its groups and removes them. The spawner itself is never the OOM killer's choice (oom_score_adj -1000); each run
-starts with the default score again.
+the spawner exits. Either way it leaves its groups and removes them. The spawner itself is never the OOM
+killer's choice (oom_score_adj -1000); each run starts with the default score again.
 """
 from __future__ import annotations
 

@@ -120,7 +120,6 @@ class SpawnedChild:
         return int(reply[7:])
 
 
-
 @dataclass
 class Slot:
     """A run cgroup and the spawner that lives in it."""
@@ -154,13 +153,13 @@ class SlotPool:
                 slot = self._idle.pop() if self._idle else None
             if slot is None:
                 return self._make(memory_bytes, processes)
-            try:
-                if not slot.spawner.alive():
-                    raise SpawnerGone("the spawner exited")
-                slot.group.start_run(memory_bytes + SPAWNER_MEMORY_BYTES, processes)
-                return slot
-            except (OSError, SpawnerGone):  # removed under us, bounds refused, spawner gone: a fresh one
-                slot.close()
+            if slot.spawner.alive():
+                try:
+                    slot.group.start_run(memory_bytes + SPAWNER_MEMORY_BYTES, processes)
+                    return slot
+                except OSError:  # the group was removed under us, or refused the bounds
+                    pass
+            slot.close()  # and a fresh one next
 
     def _make(self, memory_bytes: int, processes: int) -> Optional[Slot]:
         group = RunCgroup.create(memory_bytes + SPAWNER_MEMORY_BYTES, processes)
@@ -178,9 +177,6 @@ class SlotPool:
                 self._idle.append(slot)
         else:
             slot.close()
-
-    def discard(self, slot: Slot) -> None:
-        slot.close()
 
     def close(self) -> None:
         self._finalizer()
