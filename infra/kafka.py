@@ -79,8 +79,9 @@ def while_broker_away(what: str, fn: Callable[[], T], timeout_s: float = 300.0) 
             delay = min(delay * 2, 5.0)
 
 
-_AWAY = {KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError._ALL_BROKERS_DOWN, KafkaError.NOT_COORDINATOR,
-         KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+# _UNKNOWN_PARTITION: the client's metadata has the topic again but not yet its partitions' leaders.
+_AWAY = {KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError._ALL_BROKERS_DOWN, KafkaError._UNKNOWN_PARTITION,
+         KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
          KafkaError.LEADER_NOT_AVAILABLE, KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.REQUEST_TIMED_OUT}
 
 
