@@ -3,6 +3,7 @@
     python -m consumers.monitor --ns run1                              # live view, /metrics on :9108
     python -m consumers.monitor --ns run1 --no-tui --port 9200         # headless exporter
     python -m consumers.monitor --ns run1 --duration 60 --report out/  # then plots and out/summary.md
+    python -m consumers.monitor --ns run1 --no-tui --to-end --report out/  # every record there is now, then out/
 
 The monitor reads in its own consumer group (<ns>.monitor) from the beginning of each topic, so its totals
 count everything the topics hold (--resume starts from its last commit instead). Consumer lag covers every
@@ -29,7 +30,7 @@ from rich.live import Live
 from rich.table import Table
 
 from consumers.monitoring import PipelineStats, consumer_lag, first_unread, sparkline
-from infra.kafka import admin, consumer
+from infra.kafka import admin, consumer, while_broker_away
 from infra.settings import Settings, add_ns_argument
 from schemas.errors import PipelineError
 from schemas.topics import Topics
@@ -207,6 +208,22 @@ class Monitor:
         self.resume = resume
         self._last_lag = self._last_commit = 0.0
         self.assigned: set[str] = set()
+        self.positions: dict[tuple[str, int], int] = {}  # the next offset to read, of each partition read from
+
+    def end_marks(self) -> dict[tuple[str, int], int]:
+        """The end offset of every non-empty partition of the tapped topics now: what `--to-end` reads up to."""
+        self.assign_new_topics()
+        marks = {}
+        for tp in self.consumer.assignment():
+            low, high = while_broker_away(f"watermarks of {tp.topic}",
+                                          lambda: self.consumer.get_watermark_offsets(tp, timeout=10))
+            if high > low:
+                marks[(tp.topic, tp.partition)] = high
+        return marks
+
+    def unread(self, marks: dict[tuple[str, int], int]) -> int:
+        """Records (offsets) between the monitor's position and `marks`, summed over partitions."""
+        return sum(max(0, end - self.positions.get(tp, 0)) for tp, end in marks.items())
 
     def assign_new_topics(self) -> None:
         """Tap the pipeline topics that exist (and pick up ones created later)."""
@@ -230,6 +247,7 @@ class Monitor:
                 if msg.error():
                     log.warning("consume error: %s", msg.error())
                     continue
+                self.positions[(msg.topic() or "", msg.partition() or 0)] = (msg.offset() or 0) + 1
                 self.stats.observe(msg.topic() or "", msg.timestamp()[1], msg.value(), msg.partition(), msg.offset())
         return len(msgs)
 
@@ -273,14 +291,25 @@ def serve_metrics(monitor: Monitor, port: int, addr: str = "0.0.0.0") -> Any:
     return server
 
 
-def run(monitor: Monitor, duration: Optional[float], tui: bool, stop: threading.Event) -> None:
+def run(monitor: Monitor, duration: Optional[float], tui: bool, stop: threading.Event, to_end: bool = False) -> None:
+    """Tick until stopped, `duration` seconds have passed or, with `to_end`, every record that the topics held
+    at the start is read (progress on stderr; the report says how much was read if time ran out first)."""
     deadline = None if duration is None else time.monotonic() + duration
     console = Console()
     live = Live(dashboard(monitor.stats), console=console, refresh_per_second=2) if tui else None
+    marks = monitor.end_marks() if to_end else {}
+    total, said = sum(marks.values()), time.monotonic()
     if live is not None:
         live.start()
     try:
         while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
+            if to_end:
+                left = monitor.unread(marks)
+                if left == 0:
+                    break
+                if time.monotonic() - said >= 5:
+                    said = time.monotonic()
+                    print(f"monitor: read {total - left:,} of {total:,} records", file=sys.stderr, flush=True)
             monitor.tick()
             if live is not None:
                 with monitor.lock:
@@ -288,6 +317,10 @@ def run(monitor: Monitor, duration: Optional[float], tui: bool, stop: threading.
     finally:
         if live is not None:
             live.stop()
+        if to_end and monitor.unread(marks):
+            monitor.stats.partial = (f"read {total - monitor.unread(marks):,} of the {total:,} records the topics "
+                                     "held when it started, then stopped")
+            print(f"monitor: {monitor.stats.partial}", file=sys.stderr, flush=True)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -298,6 +331,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-tui", action="store_true", help="no live terminal view")
     p.add_argument("--report", type=Path, help="on exit, write PNG plots and summary.md into this directory")
     p.add_argument("--duration", type=float, help="exit after this many seconds")
+    p.add_argument("--to-end", action="store_true",
+                   help="exit once every record the topics hold at start is read (or --duration passes)")
     p.add_argument("--group", help="consumer group (default <ns>.monitor)")
     p.add_argument("--resume", action="store_true", help="start from the group's commits, not the beginning")
     return p.parse_args(argv)
@@ -314,7 +349,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         server = serve_metrics(monitor, args.port, args.addr)
         print(f"monitor: /metrics on port {server.server_port}", file=sys.stderr, flush=True)
         try:
-            run(monitor, args.duration, not args.no_tui, stop)
+            run(monitor, args.duration, not args.no_tui, stop, args.to_end)
         finally:
             monitor.close()
             server.shutdown()

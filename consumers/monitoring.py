@@ -171,6 +171,7 @@ class PipelineStats:
     bucket_ms: int = BUCKET_MS
     events_total: Counter[str] = field(default_factory=Counter)
     undecodable: Counter[str] = field(default_factory=Counter)
+    partial: str = ""  # why these figures cover only part of the topics (a reader stopped before their end)
     throughput: dict[str, dict[int, int]] = field(default_factory=dict)  # topic -> bucket start -> records
     reward: dict[str, Welford] = field(default_factory=dict)  # domain ->
     reward_by_version: dict[tuple[str, int], Welford] = field(default_factory=dict)

@@ -118,6 +118,8 @@ def summary_markdown(s: PipelineStats) -> str:
     mean, worst = s.policy_lag()
     written = dt.datetime.now(dt.timezone.utc)
     lines = [f"# Pipeline report: {s.topics.ns}", "", f"Written {written:%Y-%m-%d %H:%M:%S} UTC.", ""]
+    if s.partial:
+        lines += [f"**Partial: the monitor {s.partial}.**", ""]
     lines += ["## Records per topic", ""] + table(("topic", "records", "undecodable"), [
         (t, n, s.undecodable.get(t, 0)) for t, n in sorted(s.events_total.items())])
     lines += ["## Reward and success per domain", ""] + table(("domain", "trajectories", "mean", "std", "success"), [

@@ -273,8 +273,9 @@ def evaluate(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def report(run: Run) -> int:
     env = {**os.environ, **run.settings.as_env()}
-    return subprocess.call([sys.executable, "-m", "consumers.monitor", "--ns", run.ns, "--no-tui", "--duration", "5",
-                            "--port", "0", "--report", str(run.dir)], env=env, stdout=subprocess.DEVNULL)
+    return subprocess.call([sys.executable, "-m", "consumers.monitor", "--ns", run.ns, "--no-tui", "--to-end",
+                            "--duration", "600", "--port", "0", "--report", str(run.dir)], env=env,
+                           stdout=subprocess.DEVNULL)
 
 
 def key_results(results: list[dict[str, Any]], args: argparse.Namespace, mode: str = "greedy"

@@ -170,3 +170,26 @@ def test_metrics_match_counts_taken_from_the_topics(stack: Settings, topics: Top
     assert "| bad_magic | 2 |" in summary and f"| {group} | {topics.events} |" in summary
     # the headline service figures: the streams counter's partitions summed, the rollout windows summed
     assert "| streams/events | 13 |" in summary and "| rollout/episodes | 24 |" in summary
+
+
+def run_report(stack: Settings, topics: Topics, out: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "consumers.monitor", "--ns", topics.ns, "--port", "0", "--addr",
+                           "127.0.0.1", "--no-tui", "--report", str(out), *args], cwd=ROOT, timeout=180,
+                          env={**os.environ, **stack.as_env()}, capture_output=True, text=True)
+
+
+def test_a_report_read_to_the_end_counts_every_record_and_a_cut_short_one_says_so(stack: Settings, topics: Topics,
+                                                                                    tmp_path: Path) -> None:
+    # more records than one consume() call returns, on both partitions: the demo's report used to read for 5 s
+    # and printed whatever it had by then (28k of 59k trajectories) as the run's totals
+    produce(stack, topics.events, [e for i in range(1500) for e in episode(f"ep-{i}", T0 + 10 * i, group_id=f"g{i % 7}")])
+    n = sum(1 for _ in read_topic(stack, topics.events))
+    assert n == 1500 * 4
+    done = run_report(stack, topics, tmp_path / "full", "--to-end", "--duration", "150")
+    assert done.returncode == 0, done.stderr
+    summary = (tmp_path / "full" / "summary.md").read_text()
+    assert f"| {topics.events} | {n} | 0 |" in summary and "Partial" not in summary
+    assert "| passed | 1500 |" in summary  # every SandboxResult folded, once
+    cut = run_report(stack, topics, tmp_path / "cut", "--to-end", "--duration", "0")
+    assert cut.returncode == 0, cut.stderr
+    assert f"read 0 of the {n:,} records" in (tmp_path / "cut" / "summary.md").read_text()
