@@ -35,7 +35,7 @@ e2e:
 
 # Every benchmark (about an hour on 2 cores, Kafka and MinIO up), then one report: runs/bench/report.md + PNGs.
 # `make bench BENCHES="codec sandbox"` runs a few; `make bench-publish` also regenerates the README's table.
-BENCHES ?= codec dedupe policy sandbox rollout environments replay lineage learner streams e2e scale learning
+BENCHES ?= codec dedupe policy sandbox rollout environments replay lineage learner streams latency e2e scale learning
 bench:
 	@failed=""; for b in $(BENCHES); do echo "== bench_$$b"; $(PY) tests/benchmarks/bench_$$b.py || failed="$$failed $$b"; done; \
 	$(PY) tests/benchmarks/report.py; if [ -n "$$failed" ]; then echo "failed:$$failed"; exit 1; fi
