@@ -131,7 +131,7 @@ def plan(args: argparse.Namespace, ns: str) -> list[Service]:
                             "--warmup-updates", str(warmup_updates(args)),
                             "--max-policy-lag", "2", "--device", args.learner_device, "--keep-last",
                             str(args.keep_last), "--keep-every", str(args.keep_every), *sampling, *memory,
-                            *model]),
+                            *(["--init", args.init] if args.init else []), *model]),
         *teacher,
         *workers,
         Service("monitor", ["consumers.monitor", "--ns", ns, "--no-tui", "--port", str(args.monitor_port)]),
@@ -338,6 +338,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ns", default=os.environ.get(NS_VAR) or f"demo-{time.strftime('%Y%m%d-%H%M%S')}",
                    help="namespace of the run (default: $TRAJPIPE_NS, else demo-<time>)")
     p.add_argument("--sources", default="reverse")
+    p.add_argument("--init", default=None, metavar="RUN:vK",
+                   help="start from that checkpoint's weights (verified) as this run's v0, e.g. a finished demo's "
+                        "last version; with --sft-updates 0 the rollout workers start at once")
     p.add_argument("--curriculum", type=int, default=0,
                    help="rollout workers skip tasks (after N attempts) and domains (after 4N) always or never solved; "
                         "0: off")

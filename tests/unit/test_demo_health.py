@@ -108,3 +108,13 @@ def test_an_evaluation_worker_past_its_timeout_is_stopped_and_named() -> None:
         assert worker.poll() is not None
     finally:
         worker.kill()
+
+
+def test_a_demo_started_from_a_checkpoint_hands_it_to_the_learner() -> None:
+    argv = ["--init", "demo1:v85", "--sft-updates", "0", "--sources", "reverse,rg:*", "--curriculum", "2"]
+    services = {s.name: s for s in plan(apply_preset(parser().parse_args(argv), argv), "ns")}
+    learner = services["learner"].argv
+    assert learner[learner.index("--init") + 1] == "demo1:v85"
+    assert "demonstrations" not in services and services["producer-0"].when == "start"
+    default = {s.name: s for s in plan(apply_preset(parser().parse_args([]), []), "ns")}
+    assert "--init" not in default["learner"].argv
