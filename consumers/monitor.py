@@ -20,7 +20,14 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, ConsumerGroupTopicPartitions, KafkaException, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    ConsumerGroupTopicPartitions,
+    KafkaError,
+    KafkaException,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient, OffsetSpec
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -204,7 +211,9 @@ class Monitor:
         self.stats = PipelineStats(self.topics)
         self.lock = threading.Lock()
         self.admin = admin(settings)
-        self.consumer: Consumer = consumer(settings, self.group)
+        # A partition's end offset can lie past its last record (a transaction's commit marker): the end is
+        # known from the consumer's end-of-partition event, not from the last record read.
+        self.consumer: Consumer = consumer(settings, self.group, **{"enable.partition.eof": True})
         self.resume = resume
         self._last_lag = self._last_commit = 0.0
         self.assigned: set[str] = set()
@@ -244,10 +253,14 @@ class Monitor:
         msgs = self.consumer.consume(num_messages=2000, timeout=timeout)
         with self.lock:
             for msg in msgs:
-                if msg.error():
-                    log.warning("consume error: %s", msg.error())
+                where, err = (msg.topic() or "", msg.partition() or 0), msg.error()
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        self.positions[where] = max(self.positions.get(where, 0), msg.offset() or 0)
+                    else:
+                        log.warning("consume error: %s", err)
                     continue
-                self.positions[(msg.topic() or "", msg.partition() or 0)] = (msg.offset() or 0) + 1
+                self.positions[where] = (msg.offset() or 0) + 1
                 self.stats.observe(msg.topic() or "", msg.timestamp()[1], msg.value(), msg.partition(), msg.offset())
         return len(msgs)
 
@@ -309,7 +322,7 @@ def run(monitor: Monitor, duration: Optional[float], tui: bool, stop: threading.
                     break
                 if time.monotonic() - said >= 5:
                     said = time.monotonic()
-                    print(f"monitor: read {total - left:,} of {total:,} records", file=sys.stderr, flush=True)
+                    print(f"monitor: read {total - left:,} of {total:,} offsets", file=sys.stderr, flush=True)
             monitor.tick()
             if live is not None:
                 with monitor.lock:
@@ -318,8 +331,8 @@ def run(monitor: Monitor, duration: Optional[float], tui: bool, stop: threading.
         if live is not None:
             live.stop()
         if to_end and monitor.unread(marks):
-            monitor.stats.partial = (f"read {total - monitor.unread(marks):,} of the {total:,} records the topics "
-                                     "held when it started, then stopped")
+            monitor.stats.partial = (f"read {total - monitor.unread(marks):,} of the {total:,} offsets (records, and "
+                                     "transaction markers) the topics held when it started, then stopped")
             print(f"monitor: {monitor.stats.partial}", file=sys.stderr, flush=True)
 
 

@@ -172,7 +172,9 @@ def read_topic(settings: Settings, topic: str, timeout: float = 60.0) -> Iterato
     todo = {p: hi for p, (lo, hi) in ends.items() if hi > lo}
     if not todo:
         return
-    c = consumer(settings, f"trajpipe-reader-{topic}")
+    # The end offset can lie past the last record (a transaction's commit marker): a partition is done at its
+    # last record or at the consumer's end-of-partition event, whichever comes first.
+    c = consumer(settings, f"trajpipe-reader-{topic}", **{"enable.partition.eof": True})
     c.assign([TopicPartition(topic, p, ends[p][0]) for p in todo])
     deadline = time.monotonic() + timeout
     try:
@@ -184,6 +186,9 @@ def read_topic(settings: Settings, topic: str, timeout: float = 60.0) -> Iterato
                 continue
             err = msg.error()
             if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    todo.pop(msg.partition() or 0, None)
+                    continue
                 if err.retriable() or err.code() in _AWAY:
                     continue  # the broker is coming back: librdkafka reconnects, the deadline bounds it
                 raise KafkaException(err)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Optional
+from typing import Optional, Sequence
 
 from confluent_kafka import Producer
 
@@ -84,3 +84,14 @@ def trajectory(episode_id: str, reward: float = 1.0, domain: str = "math", group
 
 def with_turns(t: Trajectory, *turns: TrajectoryTurn) -> Trajectory:
     return replace(t, turns=tuple(turns))
+
+
+def publish_in_transaction(settings: Settings, topic: str, records: Sequence[object], key: Optional[bytes] = None) -> None:
+    """Records written by a transactional producer (as a Java or Flink writer may): the commit marker takes an
+    offset after the last record, so the partition's end lies past it."""
+    p = Producer(producer_config(settings, **{"transactional.id": f"trajpipe-tests-{topic}", "message.timeout.ms": 60_000}))
+    p.init_transactions(30)
+    p.begin_transaction()
+    for record in records:
+        p.produce(topic, codec.encode(record), key=key)
+    p.commit_transaction(30)

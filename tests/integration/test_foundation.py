@@ -11,15 +11,16 @@ import pytest
 
 from infra.bootstrap import bootstrap, partition_count, topic_config
 from infra.claims import offload, resolve
-from infra.kafka import Publisher, read_topic
+from infra.kafka import Publisher, end_offsets, read_topic
 from infra.objectstore import PART, ObjectStore
 from infra.settings import Settings
 from schemas import codec
 from schemas.errors import IntegrityError, ObjectNotFound
 from schemas.examples import example_events
 from schemas.packing import pack_floats, pack_ids
-from schemas.records import PolicyTurn
+from schemas.records import PipelineMetric, PolicyTurn
 from schemas.topics import Topics
+from tests.taps import publish_in_transaction
 from tests.unit.test_codec import every_record
 
 pytestmark = pytest.mark.integration
@@ -51,6 +52,16 @@ def test_every_record_type_round_trips_through_kafka(stack: Settings, topics: To
         pub.send(topics.metrics, None, codec.encode(rec))
     pub.close()
     assert [codec.decode(m.value()) for m in read_topic(stack, topics.metrics)] == records
+
+
+def test_a_topic_whose_end_is_a_commit_marker_is_read_to_its_end(stack: Settings, topics: Topics) -> None:
+    # Reading up to the end offset, a tap waited for a record at the marker's offset, which never arrives: it
+    # raised TimeoutError instead of returning what the topic holds.
+    records = [PipelineMetric(source="java", name="x", value=float(i), window_end=i) for i in range(3)]
+    publish_in_transaction(stack, topics.metrics, records)
+    (low, high), = end_offsets(stack, topics.metrics).values()
+    assert high - low == len(records) + 1  # the marker
+    assert [codec.decode(m.value()) for m in read_topic(stack, topics.metrics, timeout=30)] == records
 
 
 def test_consumer_group_tap_reads_independently(stack: Settings, topics: Topics) -> None:

@@ -24,7 +24,7 @@ from schemas import codec
 from schemas.records import CheckpointPublished, DeadLetter, PipelineMetric, SandboxResult, Trajectory
 from schemas.topics import Topics
 from tests.conftest import ROOT
-from tests.taps import episode, produce, publish, trajectory, turn
+from tests.taps import episode, produce, publish, publish_in_transaction, trajectory, turn
 
 pytestmark = pytest.mark.integration
 T0 = 1_700_000_000_000
@@ -183,6 +183,8 @@ def test_a_report_read_to_the_end_counts_every_record_and_a_cut_short_one_says_s
     # more records than one consume() call returns, on both partitions: the demo's report used to read for 5 s
     # and printed whatever it had by then (28k of 59k trajectories) as the run's totals
     produce(stack, topics.events, [e for i in range(1500) for e in episode(f"ep-{i}", T0 + 10 * i, group_id=f"g{i % 7}")])
+    # and a transactional writer's records, whose commit marker ends the partition past its last record
+    publish_in_transaction(stack, topics.metrics, [PipelineMetric(source="java", name="x", value=1.0, window_end=T0)])
     n = sum(1 for _ in read_topic(stack, topics.events))
     assert n == 1500 * 4
     done = run_report(stack, topics, tmp_path / "full", "--to-end", "--duration", "150")
@@ -192,4 +194,4 @@ def test_a_report_read_to_the_end_counts_every_record_and_a_cut_short_one_says_s
     assert "| passed | 1500 |" in summary  # every SandboxResult folded, once
     cut = run_report(stack, topics, tmp_path / "cut", "--to-end", "--duration", "0")
     assert cut.returncode == 0, cut.stderr
-    assert f"read 0 of the {n:,} records" in (tmp_path / "cut" / "summary.md").read_text()
+    assert f"read 0 of the {n + 2:,} offsets" in (tmp_path / "cut" / "summary.md").read_text()  # + record, marker
