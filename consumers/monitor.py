@@ -37,7 +37,7 @@ from rich.live import Live
 from rich.table import Table
 
 from consumers.monitoring import PipelineStats, consumer_lag, first_unread, sparkline
-from infra.kafka import admin, consumer, while_broker_away
+from infra.kafka import admin, consumer, end_offsets
 from infra.settings import Settings, add_ns_argument
 from schemas.errors import PipelineError
 from schemas.topics import Topics
@@ -222,13 +222,8 @@ class Monitor:
     def end_marks(self) -> dict[tuple[str, int], int]:
         """The end offset of every non-empty partition of the tapped topics now: what `--to-end` reads up to."""
         self.assign_new_topics()
-        marks = {}
-        for tp in self.consumer.assignment():
-            low, high = while_broker_away(f"watermarks of {tp.topic}",
-                                          lambda: self.consumer.get_watermark_offsets(tp, timeout=10))
-            if high > low:
-                marks[(tp.topic, tp.partition)] = high
-        return marks
+        return {(topic, p): high for topic in sorted(self.assigned)
+                for p, (low, high) in end_offsets(self.settings, topic).items() if high > low}
 
     def unread(self, marks: dict[tuple[str, int], int]) -> int:
         """Records (offsets) between the monitor's position and `marks`, summed over partitions."""
@@ -330,9 +325,10 @@ def run(monitor: Monitor, duration: Optional[float], tui: bool, stop: threading.
     finally:
         if live is not None:
             live.stop()
-        if to_end and monitor.unread(marks):
-            monitor.stats.partial = (f"read {total - monitor.unread(marks):,} of the {total:,} offsets (records, and "
-                                     "transaction markers) the topics held when it started, then stopped")
+        left = monitor.unread(marks)
+        if left:
+            monitor.stats.partial = (f"read {total - left:,} of the {total:,} offsets (records, and transaction "
+                                     "markers) the topics held when it started, then stopped")
             print(f"monitor: {monitor.stats.partial}", file=sys.stderr, flush=True)
 
 

@@ -32,12 +32,7 @@ from schemas.toolcalls import parse_call  # noqa: E402
 from streams.rewards import get_reward_fn  # noqa: E402
 from tests.unit.test_rewards import traj, turn  # noqa: E402
 from tests.unit.test_terminal import ScriptedPolicy, call  # noqa: E402
-from tests.benchmarks.report import Figure, record  # noqa: E402
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+from tests.benchmarks.report import Figure, percentile, record  # noqa: E402
 
 
 def terminal(episodes: int, workers: int) -> list[Figure]:

@@ -49,16 +49,11 @@ from schemas.models import PRETRAINED  # noqa: E402
 from schemas.records import BatchManifest, CheckpointPublished, PipelineMetric, Trajectory  # noqa: E402
 from schemas.topics import Topics  # noqa: E402
 from tests.benchmarks.bench_streams import interleaved  # noqa: E402
-from tests.benchmarks.report import Figure, bench_dir, record  # noqa: E402
+from tests.benchmarks.report import Figure, bench_dir, percentile, record  # noqa: E402
 
 BATCH, MAX_AGE_S = 64, 3.0  # the demo's shard writer
 GOAL_BATCH_P50_S, GOAL_BATCH_P99_S = 1.0, 3.0
 GOAL_CHECKPOINT_P50_S = {"tiny": 1.0, "smollm2-135m": 5.0}
-
-
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
 class Services:
@@ -133,8 +128,7 @@ def batch_latency(settings: Settings, args: argparse.Namespace) -> dict[str, Any
                 group.append((at - group_end[g]) / 1000)
     if not own:
         raise RuntimeError(f"no batches in {topics.batches}; see {args.log_dir}/{ns}-*.log")
-    return {"ns": ns, "events": n, "rate": n / sent_s, "scored": len(ended), "own": own, "group": group,
-            "tail": tail}
+    return {"events": n, "rate": n / sent_s, "own": own, "group": group, "tail": tail}
 
 
 # ---- 2. checkpoint -> generating ----------------------------------------------------------------------------
@@ -151,7 +145,6 @@ def checkpoint_latency(settings: Settings, model: str, args: argparse.Namespace)
     batch = 8 if pretrained else BATCH
     spec = model_args(model)
     services = Services(settings, ns, Path(args.log_dir))
-    started = time.monotonic()
     try:
         services.start("streams", "streams", "--ns", ns, "--log-level", "warn")
         services.start("writer", "consumers.shard_writer", "--ns", ns, "--max-trajectories", str(batch),
@@ -172,7 +165,6 @@ def checkpoint_latency(settings: Settings, model: str, args: argparse.Namespace)
         time.sleep(args.settle)  # the worker reaches a step boundary with the last version and publishes it
     finally:
         services.stop()
-    seconds = time.monotonic() - started
     announced = [codec.decode(m.value() or b"", expect=CheckpointPublished) for m in read_topic(settings,
                                                                                               topics.checkpoints)]
     loaded: dict[int, float] = {}
@@ -185,8 +177,8 @@ def checkpoint_latency(settings: Settings, model: str, args: argparse.Namespace)
     if not hot:
         raise RuntimeError(f"{model}: the worker generated with no announced checkpoint after v0; see "
                            f"{args.log_dir}/{ns}-worker.log")
-    return {"ns": ns, "model": model, "announced": len(versions), "loaded": hot,
-            "superseded": len([v for v in versions if v not in loaded]), "seconds": seconds}
+    return {"model": model, "announced": len(versions), "loaded": hot,
+            "superseded": len([v for v in versions if v not in loaded])}
 
 
 # ---- report ---------------------------------------------------------------------------------------------
@@ -198,7 +190,7 @@ def plot(batches: Optional[dict[str, Any]], checkpoints: list[dict[str, Any]], p
         axes[0].hist(batches["own"], bins=bins, alpha=0.6, label="from the episode's own EpisodeEnded")
         axes[0].hist(batches["group"], bins=bins, alpha=0.6, label="from its group's last EpisodeEnded")
         for q, style in ((0.5, "--"), (0.99, ":")):
-            axes[0].axvline(quantile(batches["own"], q), color="k", linestyle=style, label=f"p{int(q * 100)} (own)")
+            axes[0].axvline(percentile(batches["own"], q), color="k", linestyle=style, label=f"p{int(q * 100)} (own)")
         axes[0].set(title=f"episode ended -> in a batch at {batches['rate']:,.0f} events/s", xlabel="seconds",
                     ylabel="trajectories")
         axes[0].legend(fontsize=8)
@@ -235,16 +227,16 @@ def main() -> None:
     if not args.skip_batches:
         batches = batch_latency(settings, args)
         own, group = batches["own"], batches["group"]
-        p50, p99 = quantile(own, 0.5), quantile(own, 0.99)
+        p50, p99 = percentile(own, 0.5), percentile(own, 0.99)
         print(f"episode ended -> in a batch, {len(own)} trajectories of {batches['events']:,} events at "
               f"{batches['rate']:,.0f} events/s ({batches['tail']} that ended in the run's last {MAX_AGE_S + 1:g} s "
               f"left out): p50 {p50:.2f} s, p99 {p99:.2f} s (from the group's last "
-              f"EpisodeEnded: p50 {quantile(group, 0.5):.2f} s, p99 {quantile(group, 0.99):.2f} s)", flush=True)
+              f"EpisodeEnded: p50 {percentile(group, 0.5):.2f} s, p99 {percentile(group, 0.99):.2f} s)", flush=True)
         figures += [Figure(f"episode ended -> in a batch at {batches['rate']:,.0f} events/s, p50", p50, "s",
                            goal=f"≤ {GOAL_BATCH_P50_S:g} s", met=p50 <= GOAL_BATCH_P50_S),
                     Figure("episode ended -> in a batch, p99", p99, "s", goal=f"≤ {GOAL_BATCH_P99_S:g} s",
                            met=p99 <= GOAL_BATCH_P99_S),
-                    Figure("group's last episode ended -> in a batch, p99", quantile(group, 0.99), "s")]
+                    Figure("group's last episode ended -> in a batch, p99", percentile(group, 0.99), "s")]
     checkpoints = []
     for model in [m for m in args.models.split(",") if m]:
         if model != "tiny" and not (model in PRETRAINED and (pretrained_dir(model) / "config.json").exists()):
@@ -253,7 +245,7 @@ def main() -> None:
         run = checkpoint_latency(settings, model, args)
         checkpoints.append(run)
         lat = list(run["loaded"].values())
-        p50, p99 = quantile(lat, 0.5), quantile(lat, 0.99)
+        p50, p99 = percentile(lat, 0.5), percentile(lat, 0.99)
         goal = GOAL_CHECKPOINT_P50_S.get(model)
         print(f"{model}: checkpoint announced -> generating, {len(lat)} versions (of {run['announced']} announced; "
               f"{run['superseded']} superseded while an earlier one loaded): p50 {p50:.2f} s, p99 {p99:.2f} s, "

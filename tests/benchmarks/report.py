@@ -58,6 +58,12 @@ class Figure:
         return f"{self.goal}: {'met' if self.met else 'not met'}" if self.met is not None else self.goal
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The value below which a share `q` of `values` lies (the nearest rank; 0 for no values)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
 def bench_dir() -> Path:
     return Path(os.environ.get("TRAJPIPE_BENCH_DIR", RUNS))
 
