@@ -36,6 +36,7 @@ from infra.settings import (
     recorded_brokers,
     state_credentials,
 )
+from infra.settings import state_dir as default_state_dir
 from schemas.errors import InfraError
 
 KAFKA_VERSION = "4.1.1"
@@ -110,6 +111,14 @@ def replication(brokers: int) -> tuple[int, int]:
     return factor, max(1, factor - 1)
 
 
+def _tail(log: Path, chars: int = 3000) -> str:
+    if not log.exists():
+        return "(no log)"
+    with log.open("rb") as f:
+        f.seek(max(0, log.stat().st_size - chars))
+        return f.read().decode(errors="replace")
+
+
 class Launcher:
     """Fetches, starts, checks and stops the local Kafka node(s) and MinIO server."""
 
@@ -117,7 +126,7 @@ class Launcher:
                  kafka_port: Optional[int] = None, minio_port: Optional[int] = None,
                  brokers: Optional[int] = None) -> None:
         self.root = root or cache_dir()
-        self.state = state_dir or self.root / "local"
+        self.state = state_dir or (self.root / "local" if root else default_state_dir())
         self.kafka_port = kafka_port or int(os.environ.get("TRAJPIPE_KAFKA_PORT", DEFAULT_KAFKA_PORT))
         self.minio_port = minio_port or int(os.environ.get("TRAJPIPE_MINIO_PORT", DEFAULT_MINIO_PORT))
         recorded = self._recorded_brokers()
@@ -347,16 +356,31 @@ class Launcher:
         self._wait(server, self._minio_ready, 60)
         return "started"
 
-    def _wait(self, server: Server, ready: Callable[[], bool], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+    def _wait(self, server: Server, ready: Callable[[], bool], timeout: float, most: float = 900.0) -> None:
+        """Until `ready()`. A server whose log still grows is still working (a Kafka with thousands of
+        partitions loads them for minutes): it gets up to `most` seconds; one whose log stood still for
+        `timeout` seconds is given up on, with the end of its log in the error."""
+        start = time.monotonic()
+        last_growth, size, told = start, -1, start
+        while True:
             if read_pid(server.pid_file) is None:
-                tail = server.log_file.read_text(errors="replace")[-3000:] if server.log_file.exists() else ""
-                raise InfraError(f"{server.name} exited during start; log {server.log_file}:\n{tail}")
+                raise InfraError(f"{server.name} exited during start; log {server.log_file}:\n{_tail(server.log_file)}")
             if ready():
                 return
+            now = time.monotonic()
+            grown = server.log_file.stat().st_size if server.log_file.exists() else 0
+            if grown != size:
+                last_growth, size = now, grown
+            if now - last_growth > timeout or now - start > most:
+                why = (f"its log stood still for {timeout:.0f}s" if now - last_growth > timeout
+                       else f"still starting after {most:.0f}s")
+                raise InfraError(f"{server.name} did not become ready ({why}); log {server.log_file}:\n"
+                                 f"{_tail(server.log_file)}")
+            if now - told >= 30:
+                told = now
+                print(f"{server.name}: still starting after {now - start:.0f}s (its log is {size / 2**20:.1f} MiB "
+                      "and growing)", file=sys.stderr, flush=True)
             time.sleep(0.5)
-        raise InfraError(f"{server.name} did not become ready in {timeout:.0f}s; see {server.log_file}")
 
     def _kafka_ready(self, node: Optional[Server] = None) -> bool:
         """The node answers a metadata request, and that metadata lists every broker of the cluster."""

@@ -126,25 +126,50 @@ def delete_namespace(settings: Settings, ns: str, force: bool = False) -> dict[s
     if entry.active and not force:
         raise PipelineError(f"namespace {ns} has running consumers ({', '.join(entry.active)}): stop them first, "
                             "or pass --force")
+    idle = [g for g, members in entry.groups.items() if not members]
+    removed, failed = _delete(admin(settings), store, entry.topics, idle, [f"{area}/{ns}/" for area in OBJECT_AREAS])
+    return {"ns": ns, "topics_deleted": len(entry.topics), "objects_deleted": removed,
+            "groups_deleted": len(idle), "groups_left_running": entry.active, "failed": failed}
+
+
+def delete_prefixed(settings: Settings, prefixes: list[str]) -> dict[str, Any]:
+    """Delete every topic, idle consumer group and object area of the namespaces that start with one of
+    `prefixes` (`<p>`, `<p>.x`, `<p>-from-shards`...) in one pass, with no survey: how a test session clears
+    the namespaces it made. Unique prefixes only (a test's random namespace), never a user's run name."""
+    if not prefixes:
+        return {"topics_deleted": 0, "objects_deleted": 0, "groups_deleted": 0, "failed": []}
+    wanted = tuple(prefixes)
     client = admin(settings)
+    topics = [t for t in client.list_topics(timeout=30).topics if t.startswith(wanted)]
+    listed = client.list_consumer_groups().result(timeout=30)
+    groups = [g.group_id for g in listed.valid if g.group_id.startswith(wanted)]
+    store = ObjectStore(settings)
+    areas = [p for area in OBJECT_AREAS for p in store.list(f"{area}/", recursive=False)
+             if p[len(area) + 1:].startswith(wanted)]
+    removed, failed = _delete(client, store, topics, groups, areas)
+    return {"topics_deleted": len(topics), "objects_deleted": removed, "groups_deleted": len(groups),
+            "failed": failed}
+
+
+def _delete(client: AdminClient, store: ObjectStore, topics: list[str], groups: list[str],
+            object_prefixes: list[str]) -> tuple[int, list[str]]:
+    """Delete the topics, the consumer groups and every object under the prefixes; (objects removed, failures)."""
     failed: list[str] = []
-    if entry.topics:
-        for topic, future in client.delete_topics(entry.topics, operation_timeout=30).items():
+    if topics:
+        for topic, future in client.delete_topics(topics, operation_timeout=30).items():
             try:
                 future.result(timeout=60)
             except Exception as exc:
                 failed.append(f"topic {topic}: {exc}")
-    idle = [g for g, members in entry.groups.items() if not members]
-    if idle:
-        for group, future in client.delete_consumer_groups(idle).items():
+    if groups:
+        for group, future in client.delete_consumer_groups(groups).items():
             try:
                 future.result(timeout=30)
-            except Exception as exc:
+            except Exception as exc:  # a group with members left (a consumer still running) stays
                 failed.append(f"group {group}: {exc}")
     removed = 0
-    for area in OBJECT_AREAS:
-        for key in store.list(f"{area}/{ns}/"):
+    for prefix in object_prefixes:
+        for key in store.list(prefix):
             store.delete(key)
             removed += 1
-    return {"ns": ns, "topics_deleted": len(entry.topics), "objects_deleted": removed,
-            "groups_deleted": len(idle), "groups_left_running": entry.active, "failed": failed}
+    return removed, failed

@@ -21,6 +21,14 @@ def cache_dir(env: Mapping[str, str] = os.environ) -> Path:
     return Path(env.get("TRAJPIPE_CACHE_DIR") or Path.home() / ".cache" / "trajpipe")
 
 
+def state_dir(env: Mapping[str, str] = os.environ) -> Path:
+    """Where the local servers keep their data, pid files and logs (TRAJPIPE_STATE_DIR, else <cache>/local).
+
+    Separate from the download cache, so a run (CI, a throwaway experiment) can start on empty servers while
+    reusing the fetched jars and the built MinIO binary."""
+    return Path(env.get("TRAJPIPE_STATE_DIR") or cache_dir(env) / "local")
+
+
 def state_credentials(path: Path) -> dict[str, str]:
     """Credentials the local launcher generated (mode 0600 file in its state dir), if any."""
     if not path.exists():
@@ -42,7 +50,7 @@ def record_brokers(state: Path, brokers: int) -> None:
 def local_kafka_bootstrap(env: Mapping[str, str] = os.environ) -> str:
     """Every node of the local platform (`python -m infra up [--brokers N]`): node i on the Kafka port + 2(i-1)."""
     port = int(env.get("TRAJPIPE_KAFKA_PORT") or DEFAULT_KAFKA_PORT)
-    brokers = recorded_brokers(cache_dir(env) / "local") or 1
+    brokers = recorded_brokers(state_dir(env)) or 1
     return ",".join(f"127.0.0.1:{port + 2 * i}" for i in range(brokers))
 
 
@@ -58,7 +66,7 @@ class Settings:
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Settings":
         env = os.environ if env is None else env
-        local = state_credentials(cache_dir(env) / "local" / "minio.env")
+        local = state_credentials(state_dir(env) / "minio.env")
         access = env.get("TRAJPIPE_S3_ACCESS_KEY") or env.get("MINIO_ROOT_USER") or local.get("MINIO_ROOT_USER")
         secret = env.get("TRAJPIPE_S3_SECRET_KEY") or env.get("MINIO_ROOT_PASSWORD") or local.get("MINIO_ROOT_PASSWORD")
         if not access or not secret:

@@ -17,17 +17,23 @@ from infra.settings import Settings  # noqa: E402
 from schemas.topics import Topics  # noqa: E402
 
 
+ISSUED: list[str] = []  # every namespace the `ns` fixture handed out in this session
+
+
 @pytest.fixture(scope="session")
 def stack() -> Iterator[Settings]:
-    from tests.stack import real_stack
+    from tests.stack import clear_namespaces, real_stack
 
     with real_stack() as settings:
         yield settings
+        clear_namespaces(settings, ISSUED)
 
 
 @pytest.fixture
 def ns() -> str:
-    return f"t{uuid.uuid4().hex[:10]}"
+    name = f"t{uuid.uuid4().hex[:10]}"
+    ISSUED.append(name)
+    return name
 
 
 @pytest.fixture

@@ -56,3 +56,22 @@ def launcher_stack(launcher: "Launcher | None" = None) -> Iterator[Settings]:
 
 def real_stack() -> contextlib.AbstractContextManager[Settings]:
     return containers_stack() if stack_mode() == "containers" else launcher_stack()
+
+
+def clear_namespaces(settings: Settings, namespaces: list[str]) -> None:
+    """Delete what the session's tests made (topics, groups, objects), so test runs do not pile up thousands of
+    topics that a broker then loads for minutes at every start; TRAJPIPE_KEEP_TEST_NAMESPACES=1 keeps them."""
+    import sys
+
+    from infra.namespaces import delete_prefixed
+
+    if os.environ.get("TRAJPIPE_KEEP_TEST_NAMESPACES") == "1" or not namespaces:
+        return
+    try:
+        done = delete_prefixed(settings, namespaces)
+    except Exception as exc:  # clearing is housekeeping: a failure here is reported, never a test failure
+        print(f"\ntest namespaces not cleared: {exc}", file=sys.stderr)
+        return
+    print(f"\ncleared {len(namespaces)} test namespaces: {done['topics_deleted']} topics, "
+          f"{done['objects_deleted']} objects, {done['groups_deleted']} consumer groups"
+          + (f"; {len(done['failed'])} left: {done['failed'][:3]}" if done["failed"] else ""), file=sys.stderr)

@@ -7,10 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from confluent_kafka import TopicPartition
 
 from infra.bootstrap import bootstrap
 from infra.kafka import Publisher, consumer
-from infra.namespaces import delete_namespace, survey
+from infra.namespaces import delete_namespace, delete_prefixed, survey
 from infra.objectstore import ObjectStore
 from infra.settings import Settings
 from schemas.errors import PipelineError
@@ -56,3 +57,29 @@ def test_namespaces_are_listed_with_their_sizes_and_one_is_deleted_whole(stack: 
     after = survey(stack, store)
     assert ns not in after and after[evals.ns].records == 1 and after[evals.ns].objects == 1
     assert store.list(f"shards/{ns}/") == [] and store.list(f"checkpoints/{ns}/") == []
+
+
+def test_a_test_sessions_namespaces_are_cleared_in_one_pass_and_no_other_is_touched(stack: Settings, ns: str,
+                                                                                   store: ObjectStore) -> None:
+    other = f"k{ns[1:]}"  # a namespace the session did not issue
+    made = [Topics(ns), Topics(f"{ns}-from-shards"), Topics(other)]
+    for t in made:
+        bootstrap(stack, t.ns, partitions=1)
+    for t in made:
+        store.put(f"checkpoints/{t.ns}/v0/model.safetensors", b"w" * 10)
+    group = consumer(stack, f"{ns}.learner")
+    group.subscribe([made[0].events])
+    for _ in range(40):
+        group.poll(0.5)
+        if group.assignment():
+            break
+    group.commit(offsets=[TopicPartition(made[0].events, 0, 0)], asynchronous=False)
+    group.close()  # an idle group of the namespace, with a committed offset
+
+    done = delete_prefixed(stack, [ns])
+    left = survey(stack, store)
+    assert ns not in left and f"{ns}-from-shards" not in left
+    assert done["topics_deleted"] == len(made[0].specs()) + len(made[1].specs()) and done["objects_deleted"] == 2
+    assert done["groups_deleted"] == 1 and done["failed"] == []
+    assert sorted(left[other].topics) == sorted(s.name for s in made[2].specs()) and left[other].objects == 1
+    delete_prefixed(stack, [other])
