@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Optional
 
 import torch
@@ -186,7 +187,10 @@ class LearnerService(PolicyHolder):
     def __init__(self, settings: LearnerSettings, platform: Settings, world: Optional[World] = None) -> None:
         super().__init__(settings, platform, world or World())
         self.topics = settings.topics
-        self.publisher = Publisher(platform)
+        self.publisher = Publisher(platform)  # metrics, from this thread
+        self.announcer = Publisher(platform)  # checkpoint announcements, from the publishing thread
+        self.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self.publishing: Optional[Future[None]] = None
         self.reader = BatchReader(platform, settings.ns, settings.group, ShardCache(settings.cache_dir, settings.cache_bytes),
                                   prefetch=settings.prefetch, store=self.store)
         model: Any = build_policy(settings.model_dir, layers=settings.layers, width=settings.width, seed=settings.seed)
@@ -196,7 +200,9 @@ class LearnerService(PolicyHolder):
         self.skipped: dict[str, str] = {}  # batch id -> why it trained nothing, since the last checkpoint
         self.untrained: dict[str, str] = {}  # trajectory id -> why it did not train, since the last checkpoint
         self.trainer = self.make_trainer(self.phase_algorithm(0))
-        self.timing = {"wait_s": 0.0, "compute_s": 0.0, "checkpoint_s": 0.0}
+        # checkpoint_s: the update loop's own time on checkpoints (its wait for the previous one included);
+        # publish_s: storing and announcing them, in the background unless --foreground-checkpoints
+        self.timing = {"wait_s": 0.0, "compute_s": 0.0, "checkpoint_s": 0.0, "publish_s": 0.0, "publish_wait_s": 0.0}
         self._stop = False
 
     # ---- resume --------------------------------------------------------------------------------
@@ -226,7 +232,12 @@ class LearnerService(PolicyHolder):
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def checkpoint(self, initial: bool = False) -> None:
+        """Write the next version's files in memory now, then store, announce and commit them: in a background
+        thread that overlaps the next update (one in flight at most, so versions are announced in order), or
+        here with --foreground-checkpoints. Either way a crash before the announcement resumes from the
+        version before, which is what a crash mid-update does."""
         started = time.monotonic()
+        self.finish_publishing()  # the previous version announced (or its failure raised) before this one
         if not initial:
             self.version += 1
         offsets = self.reader.positions()
@@ -244,25 +255,44 @@ class LearnerService(PolicyHolder):
             base_model=self.s.model_dir or "", untrained=dict(self.untrained),
             init_from=f"{self.s.init_from[0]}:v{self.s.init_from[1]}" if self.s.init_from and initial else "",
             read_order=list(self.pending_ids))
-        key, sha = checkpoint_store.store_files(self.store, self.s.ns, self.version, files, manifest)
-        fault_point("after_save")
-        checkpoint_store.announce(self.publisher, self.topics, self.store, manifest, key, sha)
-        fault_point("after_publish")
-        if offsets:
-            self.reader.commit(offsets)
-        self.let_go()
         self.pending_ids = []
         self.skipped = {}
         self.untrained = {}
         if not self.lineage.ancestors:  # the reader's test counts in this run's versions only
             self.reader.set_policy_version(self.version)
+        if initial or self.s.foreground_checkpoints:
+            self.publish(manifest, files, offsets)
+        else:
+            self.publishing = self.background.submit(self.publish, manifest, files, offsets)
         self.timing["checkpoint_s"] += time.monotonic() - started
-        print(f"checkpoint v{self.version} stored, announced, offsets committed ({len(manifest.batch_ids)} batches)",
-              file=sys.stderr, flush=True)
 
-    def let_go(self) -> None:
+    def publish(self, manifest: CheckpointManifest, files: dict[str, bytes], offsets: dict[int, int]) -> None:
+        """Store the files (each verified), announce the version, commit the batch offsets it consumed, prune."""
+        started = time.monotonic()
+        key, sha = checkpoint_store.store_files(self.store, self.s.ns, manifest.version, files, manifest)
+        fault_point("after_save")
+        checkpoint_store.announce(self.announcer, self.topics, self.store, manifest, key, sha)
+        fault_point("after_publish")
+        if offsets:
+            self.reader.commit(offsets)
+        self.let_go(manifest.version)
+        self.timing["publish_s"] += time.monotonic() - started
+        print(f"checkpoint v{manifest.version} stored, announced, offsets committed ({len(manifest.batch_ids)} "
+              "batches)", file=sys.stderr, flush=True)
+
+    def finish_publishing(self) -> None:
+        """Wait for the checkpoint in flight, if any; a failure to store or announce it is raised here."""
+        if self.publishing is not None:
+            waited = time.monotonic()
+            try:
+                self.publishing.result()
+            finally:
+                self.publishing = None
+                self.timing["publish_wait_s"] += time.monotonic() - waited
+
+    def let_go(self, version: int) -> None:
         """Retention (--keep-last, --keep-every): the version that just left the last K loses its files."""
-        old = checkpoint_store.prunable(self.version, self.s.keep_last, self.s.keep_every, {0, self.s.reference_version})
+        old = checkpoint_store.prunable(version, self.s.keep_last, self.s.keep_every, {0, self.s.reference_version})
         if old is not None:
             freed = checkpoint_store.prune(self.store, self.s.ns, old)
             print(f"retention: v{old}'s files deleted ({freed / 1e6:.0f} MB), its manifest kept", file=sys.stderr, flush=True)
@@ -373,13 +403,18 @@ class LearnerService(PolicyHolder):
                 self.train_on(gathered)  # read means consumed: a stop mid-gathering still trains them once
             if any(b not in self.skipped for b in self.pending_ids):
                 self.checkpoint()  # a clean stop keeps every trained batch
+            self.finish_publishing()
             if self.s.max_updates is not None and self.updates >= self.s.max_updates:
                 print(f"{LEARNER_FINISHED_LINE} {self.s.max_updates} at v{self.version}", file=sys.stderr,
                       flush=True)
             self.world.send(STOP)
         finally:
+            if self.publishing is not None and not self.publishing.done():
+                wait([self.publishing])  # on a failure too: an announcement is never cut off
+            self.background.shutdown()
             self.reader.close()
             self.publisher.close()
+            self.announcer.close()
         return self.report()
 
     def report(self) -> dict[str, Any]:

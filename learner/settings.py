@@ -65,6 +65,7 @@ class LearnerSettings:
     replica_of: tuple[str, ...] = ()  # runs whose versions are this run's own (a rebuild of them)
     keep_last: int = 0  # retention: keep the files of the last K versions (0: keep every version)
     keep_every: int = 0  # ... and of every N-th one (0: none besides v0 and the reference)
+    foreground_checkpoints: bool = False  # store+announce+commit before the next update (default: overlapping it)
 
     def __post_init__(self) -> None:
         Topics(self.ns)
@@ -172,6 +173,10 @@ def parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
                    help="--lag-mode downweight: weight = lag_decay ** (lag - max_policy_lag)")
     p.add_argument("--sft-min-reward", type=float, default=1.0, help="reward a trajectory needs for SFT")
     p.add_argument("--cpu-bf16", action="store_true", help="bfloat16 autocast on the CPU")
+    p.add_argument("--foreground-checkpoints", action="store_true",
+                   help="store, announce and commit each checkpoint before the next update starts (default: its "
+                        "files are written in memory at once, then stored and announced by a background thread "
+                        "while the next update trains; at most one in flight, same order, same resume point)")
     p.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard weights, gradients and Adam moments over the ranks (FSDP2), for a "
                         "model that does not fit one device; checkpoints stay whole")
@@ -234,6 +239,7 @@ def from_args(argv: list[str] | None = None, env: Optional[Mapping[str, str]] = 
         clip_eps_high=a.clip_eps_high, beta=a.beta, loss_agg=a.loss_agg, lag_decay=a.lag_decay,
         sft_min_reward=a.sft_min_reward, cpu_bf16=a.cpu_bf16, fsdp=a.fsdp, device=a.device, init=a.init,
         replica_of=tuple(a.replica_of), keep_last=a.keep_last, keep_every=a.keep_every,
+        foreground_checkpoints=a.foreground_checkpoints,
     )
 
 

@@ -442,3 +442,61 @@ def test_the_learning_rate_warms_up_over_the_first_updates_and_a_resumed_run_con
              for m in read_topic(stack, topics.metrics) if codec.decode(m.value()).name == "stats/lr"]
     assert [lr for _, lr in rates] == pytest.approx([0.25e-3, 0.5e-3, 0.75e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3])
     assert [v for v, _ in rates][:3] == ["0", "1", "2"]  # the third update ran after the restart, at v2
+
+
+class GatedStore(ObjectStore):
+    """The real store, with one gate: version `held`'s files are written only once the learner has trained
+    an update after it (or `patience` seconds passed). A learner that stores checkpoints before its next
+    update can only wait the gate out."""
+
+    def __init__(self, settings: Settings, ns: str, held: int, patience: float) -> None:
+        super().__init__(settings)
+        self.prefix, self.patience = f"checkpoints/{ns}/v{held}/", patience
+        self.learner: Any = None
+        self.released_by: str | None = None
+
+    def put_verified(self, key: str, data: bytes, sha256: str | None = None) -> str:
+        if key.startswith(self.prefix) and self.released_by is None:
+            step = self.learner.updates if self.learner is not None else 0
+            deadline = time.monotonic() + self.patience
+            while self.learner.updates <= step and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.released_by = "a later update" if self.learner.updates > step else "the deadline"
+        return super().put_verified(key, data, sha256)
+
+
+def test_the_next_update_trains_while_a_checkpoint_is_stored_and_both_ways_end_with_the_same_weights(
+        stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
+    from learner.service import LearnerService
+    from learner.settings import from_args
+
+    flags = ["--sft-updates", "2", "--kl-coef", "0.5", "--max-policy-lag", "100"]
+    published = publish_batches(stack, store, topics, 8)
+    args = ["--ns", topics.ns, "--layers", "2", "--width", "64", "--updates-per-checkpoint", "2", "--idle-exit",
+            "4", "--cache-dir", str(tmp_path / "cache"), "--lr", "1e-3", *flags]
+    service = LearnerService(from_args(args, env={}), stack)
+    gated = GatedStore(stack, topics.ns, held=1, patience=60.0)
+    gated.learner, service.store = service, gated
+    report = service.run()
+    assert gated.released_by == "a later update"  # v1 was stored while the update after it trained
+    assert report["publish_wait_s"] < report["publish_s"]
+
+    lineage = announced_lineage(stack, store, topics)
+    assert [m.version for m in lineage] == list(range(len(lineage))) and report["version"] == lineage[-1].version
+    assert sorted(b for m in lineage for b in [*m.batch_ids, *m.skipped_batches]) == sorted(published)
+    assert lineage[-1].offsets == {0: 9}
+
+    fore = Topics(f"{topics.ns}-fore")  # the same batches, each checkpoint stored before the next update
+    bootstrap(stack, fore.ns, partitions=1)
+    publish_batches(stack, store, fore, 8)
+    proc = run_learner(stack, fore.ns, tmp_path / "fore", None, *flags, "--foreground-checkpoints")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    def own(ids: list[str]) -> list[str]:  # a batch id names its namespace's topic: compare what follows
+        return [b.split(".", 1)[1] for b in ids]
+
+    assert [(m.version, own(m.batch_ids), m.offsets) for m in announced_lineage(stack, store, fore)] == [
+        (m.version, own(m.batch_ids), m.offsets) for m in lineage]
+    for version in range(1, len(lineage)):
+        background, foreground = final_weights(store, topics.ns, version), final_weights(store, fore.ns, version)
+        for name, tensor in background.items():
+            torch.testing.assert_close(tensor, foreground[name], rtol=0, atol=1e-6, msg=f"v{version} {name}")
