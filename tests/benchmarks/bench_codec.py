@@ -10,7 +10,6 @@ import json
 import random
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,7 +21,7 @@ from schemas import codec  # noqa: E402
 from schemas.examples import example_events  # noqa: E402
 from schemas.packing import pack_floats, pack_ids, unpack_floats, unpack_ids  # noqa: E402
 from schemas.records import PolicyTurn, RolloutEvent  # noqa: E402
-from tests.benchmarks.report import Figure, record  # noqa: E402
+from tests.benchmarks.report import Figure, record, scratch  # noqa: E402
 
 N_TOKENS = 256
 
@@ -132,7 +131,7 @@ def bench_broker(n: int) -> list[Figure]:
     launcher = Launcher()
     launcher.up()
     settings = launcher.settings()
-    ns = f"bench-{uuid.uuid4().hex[:8]}"
+    ns = scratch("bench-")
     bootstrap(settings, ns)
     produce, consume, nbytes = through_broker(settings, f"{ns}.rollout.events", n)
     mb = nbytes / 1e6

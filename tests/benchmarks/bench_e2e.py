@@ -17,7 +17,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -43,7 +42,7 @@ from schemas.records import RolloutEvent, SourcePosition, Trajectory  # noqa: E4
 from schemas.topics import Topics  # noqa: E402
 from streams import assembly, grouping  # noqa: E402
 from streams.scoring import Scorer  # noqa: E402
-from tests.benchmarks.report import Figure, record  # noqa: E402
+from tests.benchmarks.report import Figure, record, scratch  # noqa: E402
 
 GROUP, PROMPTS, NEW_TOKENS, LAYERS, WIDTH, BATCH = 8, 4, 6, 4, 256, 64
 
@@ -122,7 +121,7 @@ def watch_updates(proc: subprocess.Popen, done_at: list[float]) -> threading.Thr
 
 
 def pipeline(updates: int, settings: Settings, *learner_args: str) -> dict[str, float]:
-    ns = f"bench-e2e-{uuid.uuid4().hex[:6]}"
+    ns = scratch("bench-e2e-", 6)
     bootstrap(settings, ns, partitions=2)
     # One OpenMP thread per service, as the supervisor starts them (Service.threads): five processes of two
     # threads each on two cores spun against each other, and every stage ran 4-5x slower (x7.4 -> x3.4).

@@ -27,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Optional
 
@@ -49,7 +48,7 @@ from schemas.models import PRETRAINED  # noqa: E402
 from schemas.records import BatchManifest, CheckpointPublished, PipelineMetric, Trajectory  # noqa: E402
 from schemas.topics import Topics  # noqa: E402
 from tests.benchmarks.bench_streams import interleaved  # noqa: E402
-from tests.benchmarks.report import Figure, bench_dir, percentile, record  # noqa: E402
+from tests.benchmarks.report import Figure, bench_dir, percentile, record, scratch  # noqa: E402
 
 BATCH, MAX_AGE_S = 64, 3.0  # the demo's shard writer
 GOAL_BATCH_P50_S, GOAL_BATCH_P99_S = 1.0, 3.0
@@ -85,7 +84,7 @@ class Services:
 
 # ---- 1. episode -> batch ------------------------------------------------------------------------------------
 def batch_latency(settings: Settings, args: argparse.Namespace) -> dict[str, Any]:
-    ns = f"benchbatch{uuid.uuid4().hex[:6]}"
+    ns = scratch("benchbatch", 6)
     bootstrap(settings, ns, partitions=2)
     topics = Topics(ns, 2)
     services = Services(settings, ns, Path(args.log_dir))
@@ -137,7 +136,7 @@ def model_args(model: str) -> list[str]:
 
 
 def checkpoint_latency(settings: Settings, model: str, args: argparse.Namespace) -> dict[str, Any]:
-    ns = f"benchckpt{uuid.uuid4().hex[:6]}"
+    ns = scratch("benchckpt", 6)
     bootstrap(settings, ns, partitions=2)
     topics = Topics(ns, 2)
     pretrained = model != "tiny"

@@ -10,7 +10,6 @@ import random
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -32,7 +31,7 @@ from schemas.records import BatchManifest, Trajectory  # noqa: E402
 from schemas.topics import Topics  # noqa: E402
 from schemas.packing import pack_floats, pack_ids  # noqa: E402
 from schemas.records import SourcePosition, TrajectoryTurn  # noqa: E402
-from tests.benchmarks.report import Figure, record  # noqa: E402
+from tests.benchmarks.report import Figure, record, scratch  # noqa: E402
 
 
 def trajectory(rng: random.Random, ns: str, i: int, gen_tokens: int) -> Trajectory:
@@ -116,7 +115,7 @@ def main() -> None:
     launcher = Launcher()
     launcher.up()
     settings = launcher.settings()
-    ns = f"bench-learner-{uuid.uuid4().hex[:6]}"
+    ns = scratch("bench-learner-", 6)
     bootstrap(settings, ns, partitions=1)
     store = ObjectStore(settings)
     batches = make_batches(ns, args.batches, args.batch_size, args.gen_tokens)

@@ -14,7 +14,6 @@ import argparse
 import statistics
 import sys
 import time
-import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +32,7 @@ from schemas.keys import batch_id, shard_key  # noqa: E402
 from schemas.packing import pack_floats, pack_ids  # noqa: E402
 from schemas.records import BatchManifest, CheckpointPublished, SourcePosition, Trajectory, TrajectoryTurn  # noqa: E402
 from schemas.topics import Topics  # noqa: E402
-from tests.benchmarks.report import Figure, record  # noqa: E402
+from tests.benchmarks.report import Figure, record, scratch  # noqa: E402
 
 T0 = 1_700_000_000_000
 
@@ -94,7 +93,7 @@ def main() -> int:
     parser.add_argument("--queries", type=int, default=5)
     args = parser.parse_args()
     settings = Settings.from_env()
-    topics = Topics(f"bench{uuid.uuid4().hex[:8]}", partitions=4)
+    topics = Topics(scratch("bench"), partitions=4)
     bootstrap(settings, topics.ns, partitions=4)
     store = ObjectStore(settings)
     try:

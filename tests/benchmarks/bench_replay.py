@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import uuid
 import zlib
 from dataclasses import replace
 from pathlib import Path
@@ -40,7 +39,7 @@ from schemas.records import (  # noqa: E402
     TrajectoryTurn,
 )
 from schemas.topics import Topics  # noqa: E402
-from tests.benchmarks.report import Figure, record  # noqa: E402
+from tests.benchmarks.report import Figure, record, scratch  # noqa: E402
 
 T0 = 1_700_000_000_000
 TOKENS = 64
@@ -188,7 +187,7 @@ def main() -> int:
     started = time.monotonic()
     store = ObjectStore(Settings.from_env())
     store.ensure_bucket()
-    ns = f"bench{uuid.uuid4().hex[:8]}"
+    ns = scratch("bench")
     topic = Topics(ns).events
 
     start = time.perf_counter()

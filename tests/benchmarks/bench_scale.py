@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -32,13 +31,13 @@ from infra.launcher import Launcher  # noqa: E402
 from tests.benchmarks.bench_codec import through_broker  # noqa: E402
 from tests.benchmarks.bench_streams import throughput  # noqa: E402
 from tests.integration.test_launcher import free_port_pair  # noqa: E402
-from tests.benchmarks.report import Figure, record  # noqa: E402
+from tests.benchmarks.report import Figure, record, scratch  # noqa: E402
 
 
 def through(launcher: Launcher, n: int) -> tuple[float, float, str]:
     """(produced events/s with delivery confirmed, consumed+decoded events/s, the topic's replication)."""
     settings = launcher.settings()
-    ns = f"scale-{uuid.uuid4().hex[:8]}"
+    ns = scratch("scale-")
     bootstrap(settings, ns, partitions=4)
     topic = f"{ns}.rollout.events"
     produce, consume, _ = through_broker(settings, topic, n)

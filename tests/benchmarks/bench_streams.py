@@ -39,7 +39,7 @@ from schemas.packing import pack_floats, pack_ids  # noqa: E402
 from schemas.records import Body, EpisodeEnded, PolicyTurn, RolloutEvent  # noqa: E402
 from schemas.topics import Topics  # noqa: E402
 from tests.streams_data import Episode, bodies  # noqa: E402
-from tests.benchmarks.report import Figure, record  # noqa: E402
+from tests.benchmarks.report import Figure, record, scratch  # noqa: E402
 
 DOMAINS = ("code", "math", "table")
 
@@ -120,7 +120,7 @@ def throughput(settings: Settings, args: argparse.Namespace, workers: int = 1,
     """Events/s through `workers` stream workers. With `settle_s`, the workers start first and have that
     long to share the partitions before the events are loaded (a scaling figure without the rebalance);
     without it, the events are loaded first and one worker starts on them."""
-    ns = f"bench{uuid.uuid4().hex[:8]}"
+    ns = scratch("bench")
     bootstrap(settings, ns, args.partitions)
     topics = Topics(ns, args.partitions)
     events = list(interleaved(args.events, args.tokens, args.concurrent, seed=1))
@@ -173,7 +173,7 @@ def ceiling(settings: Settings, topic: str, n: int) -> float:
 
 
 def latency(settings: Settings, args: argparse.Namespace) -> dict[str, float]:
-    ns = f"benchlat{uuid.uuid4().hex[:6]}"
+    ns = scratch("benchlat", 6)
     bootstrap(settings, ns, args.partitions)
     topics = Topics(ns, args.partitions)
     worker = start_worker(settings, ns, Path(args.log_dir) / f"{ns}.log")

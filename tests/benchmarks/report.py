@@ -12,6 +12,7 @@ against the figures this repository publishes (machine, core count and versions 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import platform
@@ -19,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -30,6 +32,28 @@ PUBLISHED = ROOT / "docs" / "bench"
 README_START = "<!-- bench-table:start (generated from docs/bench/*.json by make bench-publish) -->"
 README_END = "<!-- bench-table:end -->"
 PACKAGES = ("torch", "transformers", "confluent-kafka", "faust-streaming", "fastavro", "aiokafka", "minio")
+
+
+_SCRATCH: list[str] = []
+
+
+def scratch(prefix: str, digits: int = 8) -> str:
+    """A fresh namespace for a benchmark's run, deleted (topics, groups, objects) when the benchmark exits;
+    TRAJPIPE_KEEP_TEST_NAMESPACES=1 keeps it, to look at afterwards."""
+    if not _SCRATCH:
+        atexit.register(_clear_scratch)
+    ns = f"{prefix}{uuid.uuid4().hex[:digits]}"
+    _SCRATCH.append(ns)
+    return ns
+
+
+def _clear_scratch() -> None:
+    if os.environ.get("TRAJPIPE_KEEP_TEST_NAMESPACES") == "1":
+        return
+    from infra.settings import Settings
+    from tests.stack import clear_namespaces
+
+    clear_namespaces(Settings.from_env(), _SCRATCH)
 
 
 @dataclass(frozen=True)
