@@ -21,7 +21,7 @@ from typing import Any, Iterable, Optional
 
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaException, Message, TopicPartition
 
-from infra.kafka import consumer, end_offsets
+from infra.kafka import committed_offsets, consumer, end_offsets, while_broker_away
 from infra.objectstore import ObjectStore
 from infra.settings import Settings, add_ns_argument
 from schemas.archive import ArchivedEvent, ArchiveObject, archive_prefix, sorted_objects, utc_date, write_archive
@@ -154,7 +154,7 @@ class Archiver:
     def start_positions(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
         """The committed offset of each partition, moved past objects already in the store."""
         objects = self.archived_objects()
-        committed = self.consumer.committed(partitions, timeout=30)
+        committed = committed_offsets(self.consumer, partitions, timeout=30)
         lows = end_offsets(self.settings, self.topic)
         out = []
         for tp in committed:
@@ -168,7 +168,8 @@ class Archiver:
         key = chunk.key(self.ns)
         data = write_archive(chunk.records, key)
         self.store.put_verified(key, data)
-        self.consumer.commit(offsets=[TopicPartition(self.topic, chunk.partition, chunk.last + 1)], asynchronous=False)
+        mark = [TopicPartition(self.topic, chunk.partition, chunk.last + 1)]
+        while_broker_away("commit", lambda: self.consumer.commit(offsets=mark, asynchronous=False))
         self.stats.objects += 1
         self.stats.bytes += len(data)
         self.stats.keys.append(key)

@@ -37,7 +37,7 @@ from rich.live import Live
 from rich.table import Table
 
 from consumers.monitoring import PipelineStats, consumer_lag, first_unread, sparkline
-from infra.kafka import admin, consumer, end_offsets
+from infra.kafka import admin, committed_offsets, consumer, end_offsets
 from infra.settings import Settings, add_ns_argument
 from schemas.errors import PipelineError
 from schemas.topics import Topics
@@ -238,7 +238,7 @@ class Monitor:
         tps = [TopicPartition(t, p) for t in new for p in present[t].partitions]
         if self.resume:
             tps = [tp if tp.offset >= 0 else TopicPartition(tp.topic, tp.partition, OFFSET_BEGINNING)
-                   for tp in self.consumer.committed(tps, timeout=10)]
+                   for tp in committed_offsets(self.consumer, tps)]
         else:
             tps = [TopicPartition(tp.topic, tp.partition, OFFSET_BEGINNING) for tp in tps]
         self.consumer.incremental_assign(tps)

@@ -18,7 +18,7 @@ from typing import Iterable, Optional
 
 from confluent_kafka import TopicPartition
 
-from infra.kafka import consumer, end_offsets, read_topic
+from infra.kafka import committed_offsets, consumer, end_offsets, read_topic
 from infra.settings import Settings
 from schemas.codec import codec
 from schemas.errors import ConfigError, DecodeError, PipelineError
@@ -55,7 +55,7 @@ def consumed_all(settings: Settings, ns: str) -> Optional[bool]:
     ends = end_offsets(settings, topics.events)
     c = consumer(settings, topics.streams_app_id)
     try:
-        committed = c.committed([TopicPartition(topics.events, p) for p in ends], timeout=10)
+        committed = committed_offsets(c, [TopicPartition(topics.events, p) for p in ends])
     finally:
         c.close()
     if all(tp.offset < 0 for tp in committed):

@@ -200,6 +200,12 @@ def read_topic(settings: Settings, topic: str, timeout: float = 60.0) -> Iterato
         c.close()
 
 
+def committed_offsets(c: Consumer, partitions: list[TopicPartition], timeout: float = 10.0) -> list[TopicPartition]:
+    """The group's committed offsets (OFFSET_INVALID where none), waiting out a broker restart and a fresh
+    broker's group coordinator, which answers NOT_COORDINATOR until it has loaded its offsets topic."""
+    return while_broker_away("committed offsets", lambda: c.committed(partitions, timeout=timeout))
+
+
 def end_offsets(settings: Settings, topic: str, timeout: float = 10.0) -> dict[int, tuple[int, int]]:
     """(low, high) watermark per partition of `topic`, waiting out a broker restart."""
     return while_broker_away(f"watermarks of {topic}", lambda: _watermarks(settings, topic, timeout))

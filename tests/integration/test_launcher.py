@@ -90,3 +90,32 @@ def test_the_test_stack_stops_the_servers_it_started_and_leaves_running_ones_alo
         assert all(s["ready"] for s in launcher.status().values())  # found running: left running
     finally:
         launcher.down()
+
+
+def test_the_first_committed_offsets_asked_of_a_fresh_broker_wait_for_its_group_coordinator(tmp_path: Path) -> None:
+    """A broker on an empty state dir (as CI starts one) makes its offsets topic at the first group request and
+    answers NOT_COORDINATOR until it has loaded it; librdkafka's committed() hands that answer up as an error.
+    Every reader of committed offsets (archive, monitor, batch reader, rescore) waits it out: here the
+    archiver, as the first client of a fresh platform."""
+    from consumers.archive import ArchiveBounds, Archiver
+    from infra.bootstrap import bootstrap
+    from infra.objectstore import ObjectStore
+    from schemas.topics import Topics
+    from tests.taps import episode, produce
+
+    launcher = Launcher(state_dir=tmp_path / "fresh", kafka_port=free_port_pair(), minio_port=free_port_pair())
+    try:
+        launcher.up()
+        settings = launcher.settings()
+        topics = Topics("fresh1", partitions=2)
+        bootstrap(settings, topics.ns, partitions=2)
+        produce(settings, topics.events, episode("ep-0", 1_700_000_000_000))
+        store = ObjectStore(settings)
+        archiver = Archiver(settings, topics.ns, ArchiveBounds(max_events=5), store=store, group="fresh1.archive")
+        try:
+            keys = archiver.run_once(timeout_s=60).keys
+        finally:
+            archiver.close()
+        assert keys and all(store.exists(k) for k in keys)
+    finally:
+        launcher.down()
