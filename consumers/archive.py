@@ -21,7 +21,7 @@ from typing import Any, Iterable, Optional
 
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaException, Message, TopicPartition
 
-from infra.kafka import committed_offsets, consumer, end_offsets, while_broker_away
+from infra.kafka import commit_offsets, committed_offsets, consumer, end_offsets
 from infra.objectstore import ObjectStore
 from infra.settings import Settings, add_ns_argument
 from schemas.archive import ArchivedEvent, ArchiveObject, archive_prefix, sorted_objects, utc_date, write_archive
@@ -168,8 +168,7 @@ class Archiver:
         key = chunk.key(self.ns)
         data = write_archive(chunk.records, key)
         self.store.put_verified(key, data)
-        mark = [TopicPartition(self.topic, chunk.partition, chunk.last + 1)]
-        while_broker_away("commit", lambda: self.consumer.commit(offsets=mark, asynchronous=False))
+        commit_offsets(self.consumer, [TopicPartition(self.topic, chunk.partition, chunk.last + 1)])
         self.stats.objects += 1
         self.stats.bytes += len(data)
         self.stats.keys.append(key)

@@ -28,7 +28,7 @@ from confluent_kafka import KafkaException, Message, TopicPartition
 
 from consumers.shard_cache import ShardCache
 from consumers.shards import read_shard
-from infra.kafka import committed_offsets, consumer, while_broker_away
+from infra.kafka import commit_offsets, consumer, while_broker_away
 from infra.objectstore import ObjectStore
 from infra.settings import Settings
 from schemas.codec import codec
@@ -174,8 +174,7 @@ class BatchReader:
     def commit(self, offsets: Optional[dict[int, int]] = None) -> None:
         """Commit `offsets` (default: positions()) for the group; call it after the checkpoint is stored."""
         offsets = self.positions() if offsets is None else offsets
-        marks = [TopicPartition(self.topic, p, o) for p, o in offsets.items()]
-        while_broker_away("commit", lambda: self._committer.commit(offsets=marks, asynchronous=False))
+        commit_offsets(self._committer, [TopicPartition(self.topic, p, o) for p, o in offsets.items()])
 
     def mark_seen(self, batch_ids: Iterable[str]) -> None:
         """Batches already trained (from a checkpoint): never hand them out again."""
@@ -368,7 +367,7 @@ class BatchReader:
                 raise ConfigError(f"topic {self.topic} does not exist; run `python -m infra bootstrap --ns NAME`")
             time.sleep(1.0)
         parts = sorted(meta.topics[self.topic].partitions)
-        committed = committed_offsets(self._consumer, [TopicPartition(self.topic, p) for p in parts])
+        committed = self._consumer.committed([TopicPartition(self.topic, p) for p in parts], timeout=10)
         out = {}
         for tp in committed:
             low, _high = self._consumer.get_watermark_offsets(tp, timeout=10)

@@ -206,6 +206,11 @@ def committed_offsets(c: Consumer, partitions: list[TopicPartition], timeout: fl
     return while_broker_away("committed offsets", lambda: c.committed(partitions, timeout=timeout))
 
 
+def commit_offsets(c: Consumer, offsets: list[TopicPartition]) -> None:
+    """Commit `offsets` for the consumer's group and wait for the broker's answer, waiting out a restart."""
+    while_broker_away("commit", lambda: c.commit(offsets=offsets, asynchronous=False))
+
+
 def end_offsets(settings: Settings, topic: str, timeout: float = 10.0) -> dict[int, tuple[int, int]]:
     """(low, high) watermark per partition of `topic`, waiting out a broker restart."""
     return while_broker_away(f"watermarks of {topic}", lambda: _watermarks(settings, topic, timeout))

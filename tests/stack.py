@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from typing import TYPE_CHECKING, Iterator
 
 from infra.settings import Settings
@@ -61,8 +62,6 @@ def real_stack() -> contextlib.AbstractContextManager[Settings]:
 def clear_namespaces(settings: Settings, namespaces: list[str]) -> None:
     """Delete what the session's tests made (topics, groups, objects), so test runs do not pile up thousands of
     topics that a broker then loads for minutes at every start; TRAJPIPE_KEEP_TEST_NAMESPACES=1 keeps them."""
-    import sys
-
     from infra.namespaces import delete_prefixed
 
     if os.environ.get("TRAJPIPE_KEEP_TEST_NAMESPACES") == "1" or not namespaces:

@@ -161,7 +161,7 @@ def pipeline(updates: int, settings: Settings, *learner_args: str) -> dict[str, 
             "sandbox": sum(w["sandbox_s"] for w in workers) / len(workers),
             "producer_paused": sum(w["paused_s"] for w in workers) / len(workers),
             "train": reports["learner"]["compute_s"], "learner_waiting": reports["learner"]["wait_s"],
-            "checkpoint": reports["learner"]["checkpoint_s"], "publish": reports["learner"].get("publish_s", 0.0),
+            "checkpoint": reports["learner"]["checkpoint_s"], "publish": reports["learner"]["publish_s"],
             "events": float(events), "steady_per_update": steady(done_at)}
 
 

@@ -48,8 +48,6 @@ def scratch(prefix: str, digits: int = 8) -> str:
 
 
 def _clear_scratch() -> None:
-    if os.environ.get("TRAJPIPE_KEEP_TEST_NAMESPACES") == "1":
-        return
     from infra.settings import Settings
     from tests.stack import clear_namespaces
 

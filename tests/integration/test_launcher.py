@@ -95,8 +95,8 @@ def test_the_test_stack_stops_the_servers_it_started_and_leaves_running_ones_alo
 def test_the_first_committed_offsets_asked_of_a_fresh_broker_wait_for_its_group_coordinator(tmp_path: Path) -> None:
     """A broker on an empty state dir (as CI starts one) makes its offsets topic at the first group request and
     answers NOT_COORDINATOR until it has loaded it; librdkafka's committed() hands that answer up as an error.
-    Every reader of committed offsets (archive, monitor, batch reader, rescore) waits it out: here the
-    archiver, as the first client of a fresh platform."""
+    Every reader of committed offsets waits it out (the batch reader already did; archive, monitor and rescore
+    now do too): here the archiver, as the first client of a fresh platform."""
     from consumers.archive import ArchiveBounds, Archiver
     from infra.bootstrap import bootstrap
     from infra.objectstore import ObjectStore

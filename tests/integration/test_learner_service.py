@@ -457,7 +457,7 @@ class GatedStore(ObjectStore):
 
     def put_verified(self, key: str, data: bytes, sha256: str | None = None) -> str:
         if key.startswith(self.prefix) and self.released_by is None:
-            step = self.learner.updates if self.learner is not None else 0
+            step = self.learner.updates
             deadline = time.monotonic() + self.patience
             while self.learner.updates <= step and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -491,6 +491,7 @@ def test_the_next_update_trains_while_a_checkpoint_is_stored_and_both_ways_end_w
     publish_batches(stack, store, fore, 8)
     proc = run_learner(stack, fore.ns, tmp_path / "fore", None, *flags, "--foreground-checkpoints")
     assert proc.returncode == 0, proc.stderr[-3000:]
+
     def own(ids: list[str]) -> list[str]:  # a batch id names its namespace's topic: compare what follows
         return [b.split(".", 1)[1] for b in ids]
 
