@@ -21,8 +21,10 @@ class TasksExhausted(PipelineError):
 @dataclass(frozen=True)
 class Curriculum:
     """Skip a task once it has `min_attempts` attempts and a pass rate of exactly 1.0 or 0.0; skip a whole
-    source (a domain) once the tasks drawn from it have `domain_min_attempts` attempts together, all passed
-    or none (with a hundred domains, single tasks come round too rarely to gather attempts of their own).
+    source (a domain) once the tasks drawn from it most recently have `domain_min_attempts` attempts together,
+    all passed or none (with a hundred domains, single tasks come round too rarely to gather attempts of their
+    own). The domain's verdict reads its latest tasks only, so a domain the policy has learned since its first
+    failures is retired as always solved.
 
     Such a task gives every sample of a GRPO group the same reward: zero advantage, no gradient. But the
     policy changes: a `probe` share of draws ignores the verdicts, so a task or a domain the policy learns
@@ -100,7 +102,8 @@ class TaskMixer:
         self.curriculum = curriculum
         self.skips: Counter[str] = Counter()
         self.drawn: Counter[str] = Counter()
-        self.drawn_ids: list[set[str]] = [set() for _ in self.sources]  # per source: the task ids it gave
+        # per source: the task ids it gave, oldest first (a task drawn again moves to the end)
+        self.drawn_ids: list[dict[str, None]] = [{} for _ in self.sources]
         self.probes = 0
         self.exhausted = 0
         self._rng = random.Random(seed)
@@ -115,11 +118,18 @@ class TaskMixer:
         return self.curriculum.verdict(*self.stats[task_id])
 
     def domain_skip_reason(self, pick: int) -> str | None:
-        """Why source `pick` is skipped as a whole, from the pooled stats of the tasks drawn from it."""
+        """Why source `pick` is skipped as a whole, from the pooled stats of the tasks drawn from it last: the
+        newest tasks with stats, back until they hold `domain_min_attempts` attempts."""
         if self.curriculum is None:
             return None
-        counted = [self.stats[t] for t in self.drawn_ids[pick] if t in self.stats]
-        return self.curriculum.domain_verdict(sum(a for a, _ in counted), sum(p for _, p in counted))
+        attempts = passes = 0
+        for task_id in reversed(self.drawn_ids[pick]):
+            if task_id in self.stats:
+                a, p = self.stats[task_id]
+                attempts, passes = attempts + a, passes + p
+                if attempts >= self.curriculum.domain_min_attempts:
+                    break
+        return self.curriculum.domain_verdict(attempts, passes)
 
     def _draw_from(self, cursor: _Cursor) -> Task | None:
         # One full pass over the source at most: after that every task of it is skipped.
@@ -163,7 +173,9 @@ class TaskMixer:
 
     def _took(self, pick: int, task: Task) -> Task:
         self.drawn[self.sources[pick].name] += 1
-        self.drawn_ids[pick].add(task.task_id)
+        ids = self.drawn_ids[pick]
+        ids.pop(task.task_id, None)
+        ids[task.task_id] = None
         return task
 
     def __iter__(self) -> "TaskMixer":

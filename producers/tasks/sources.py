@@ -8,7 +8,7 @@ from producers.tasks import environments
 from producers.tasks.arithmetic import DigitAdditionSource, QuestionAdditionSource, ReasoningGymSource
 from producers.tasks.humaneval import HumanEvalSource
 from producers.tasks.reasoning_gym import PREFIX, ReasoningGymDomain
-from producers.tasks.strings import StringReversalSource
+from producers.tasks.strings import LENGTH_PREFIX, StringReversalSource, by_length
 from producers.tasks.table_qa import TableQASource
 from producers.tasks.task import TaskSource
 from producers.tasks.terminal import TerminalSource
@@ -29,20 +29,24 @@ def seeded_source(name: str, seed: int) -> TaskSource:
     """A source by name with `seed` when it takes one (HumanEval is a fixed list and takes none)."""
     if name.startswith((PREFIX, environments.PREFIX)):
         return load_source(name, seed=seed)
+    if name.startswith(LENGTH_PREFIX):
+        return load_source(name, seed=seed)
     accepts_seed = "seed" in inspect.signature(SOURCES[name]).parameters if name in SOURCES else False
     return load_source(name, seed=seed) if accepts_seed else load_source(name)
 
 
 def load_source(name: str, **kwargs: Any) -> TaskSource:
-    """A task source by name (or `rg:<generator>`, a reasoning-gym dataset, or `env:<name>`, an installed
-    environment); kwargs go to its constructor."""
+    """A task source by name (or `rg:<generator>`, a reasoning-gym dataset, `env:<name>`, an installed
+    environment, or `reverse-N`, the reversals of N-letter words); kwargs go to its constructor."""
     if name.startswith(PREFIX):
         return ReasoningGymDomain(name.removeprefix(PREFIX), **kwargs)
     if name.startswith(environments.PREFIX):
         return environments.EnvironmentSource(name.removeprefix(environments.PREFIX), **kwargs)
+    if name.startswith(LENGTH_PREFIX):
+        return by_length(name, **kwargs)
     if name not in SOURCES:
         raise ConfigError(f"unknown task source {name!r}; choose one of {sorted(SOURCES)}, or rg:<dataset> / rg:*, "
-                          "or env:<name> / env:* (installed environments)")
+                          "env:<name> / env:* (installed environments) or reverse-N (N-letter words)")
     try:
         return SOURCES[name](**kwargs)
     except TypeError as exc:

@@ -1,28 +1,46 @@
 """String tasks: reverse a short lowercase word. A byte-level CPU model learns the rule (not a lookup) in minutes.
 
     source = StringReversalSource(seed=0)
-    source[3].prompt == "reverse qzkd:"; source[3].spec["answer"] == "dkzq"
+    source[3].prompt == "reverse hyt:"; source[3].spec["answer"] == "tyh"
 
 Every index gives a fresh random word of 3..6 letters, so the held-out split (a hash of the task id) holds
 words the policy never trained on: success there means it learned to reverse, not to remember.
+
+`reverse-N` (for example `--sources reverse-3,reverse-4,reverse-5,reverse-6`) holds the words of N letters
+only: one source per length, so the curriculum retires a length once the policy always solves it and spends
+the rollouts on the lengths it does not. A word's task id is the same in both forms, and so is its split.
 """
 from __future__ import annotations
 
 import random
 import string
+from typing import Any
 
 from producers.tasks.task import Task
+from schemas.errors import ConfigError
 from schemas.tasks import make_spec
 
 
+LENGTH_PREFIX = "reverse-"
+MAX_LENGTH = 12
+
+
+def by_length(name: str, **kwargs: Any) -> "StringReversalSource":
+    """`reverse-N`: the words of exactly N letters (1 <= N <= 12)."""
+    length = name.removeprefix(LENGTH_PREFIX)
+    if not length.isdigit() or not 1 <= int(length) <= MAX_LENGTH:
+        raise ConfigError(f"task source {name!r}: reverse-N takes a word length N from 1 to {MAX_LENGTH}")
+    return StringReversalSource(min_len=int(length), max_len=int(length), name=name, **kwargs)
+
+
 class StringReversalSource:
-    name = "reverse"
     domain = "text"
 
-    def __init__(self, seed: int = 0, size: int = 20_000, min_len: int = 3, max_len: int = 6) -> None:
+    def __init__(self, seed: int = 0, size: int = 20_000, min_len: int = 3, max_len: int = 6,
+                 name: str = "reverse") -> None:
         if not 1 <= min_len <= max_len:
             raise ValueError(f"word lengths {min_len}..{max_len}: need 1 <= min_len <= max_len")
-        self.seed, self.size, self.min_len, self.max_len = seed, size, min_len, max_len
+        self.seed, self.size, self.min_len, self.max_len, self.name = seed, size, min_len, max_len, name
 
     def __len__(self) -> int:
         return self.size
@@ -35,7 +53,7 @@ class StringReversalSource:
         if not 0 <= index < self.size:
             raise IndexError(f"reverse task index {index} out of range 0..{self.size - 1}")
         word = self.word(index)
-        spec = make_spec("text", answer=word[::-1], source="builtin:reverse", seed=self.seed, index=index)
+        spec = make_spec("text", answer=word[::-1], source=f"builtin:{self.name}", seed=self.seed, index=index)
         # The id is the word itself: the same word drawn twice is one task, on one side of the split.
         return Task(task_id=f"reverse/{word}", domain="text", prompt=f"reverse {word}:", spec=spec,
                     demonstration=word[::-1])

@@ -240,6 +240,20 @@ def test_load_source_by_name() -> None:
         load_source("table", colour="red")
 
 
+def test_reversal_sources_by_length_hold_words_of_one_length_under_their_own_name() -> None:
+    from producers.tasks.sources import seeded_source
+
+    six = seeded_source("reverse-6", 7)
+    tasks = [six[i] for i in range(200)]
+    assert six.name == "reverse-6" and {len(t.spec["answer"]) for t in tasks} == {6}
+    assert all(t.spec["answer"] == t.task_id.removeprefix("reverse/")[::-1] for t in tasks)
+    assert [t.task_id for t in tasks[:5]] == [seeded_source("reverse-6", 7)[i].task_id for i in range(5)]
+    assert tasks[0].spec["source"] == "builtin:reverse-6"
+    for bad in ("reverse-0", "reverse-13", "reverse-x", "reverse-"):
+        with pytest.raises(ConfigError, match="word length"):
+            load_source(bad)
+
+
 def test_mixer_respects_weights() -> None:
     easy, table = DigitAdditionSource(seed=0), TableQASource(seed=0, size=100)
     mixer = TaskMixer([easy, table], {"math-easy": 0.7, "table": 0.3}, seed=1)
@@ -332,6 +346,25 @@ def test_a_retired_domain_is_probed_and_comes_back_once_the_policy_solves_it() -
     assert 0.02 < early.count("text") / len(early) < 0.1  # retired: about half the 0.1 probe share
     assert late.count("text") / len(late) > 0.4  # back in the mix (equal weights)
     assert mixer.probes > 0
+
+
+def test_a_domain_the_policy_learns_is_retired_as_always_solved_from_its_latest_attempts() -> None:
+    """Every reversal failed while the policy was young, and every one passes after it learned. The domain's
+    verdict used to pool every task ever drawn from it, so the early failures kept a learned domain in the mix
+    for good (a word is rarely drawn twice). Now it reads the latest attempts and retires the domain."""
+    from producers.tasks.strings import StringReversalSource
+
+    sources = [DigitAdditionSource(seed=0), StringReversalSource(seed=0)]
+    mixer = TaskMixer(sources, seed=0, curriculum=Curriculum(min_attempts=8, domain_min_attempts=16, probe=0.1))
+    drawn = []
+    for i in range(2000):
+        task = mixer.next()
+        solved = task.domain == "text" and i >= 400  # reversal learned at draw 400; addition stays mixed
+        mixer.update_stats(task.task_id, attempts=2, passes=2 if solved else 1 if task.domain == "math" else 0)
+        drawn.append(task.domain)
+    late = drawn[600:]
+    assert late.count("text") / len(late) < 0.1  # retired: only about half the 0.1 probe share comes back
+    assert mixer.skips["domain_always_solved"] > 0
 
 
 def test_when_every_task_is_retired_the_worker_keeps_drawing_probes_instead_of_stopping() -> None:
