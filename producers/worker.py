@@ -209,6 +209,8 @@ class RolloutWorker:
         m.gauge("rollout/policy_version", float(self.backend.version), producer=worker)
         m.gauge("rollout/checkpoints_loaded", float(len(self.stats.versions_loaded)), producer=worker)
         m.gauge("rollout/checkpoints_refused", float(len(self.follower.refused)), producer=worker)
+        for source, n in self.mixer.drawn.items():  # tasks drawn per source since the start: the mix as it ran
+            m.gauge("rollout/tasks_drawn", float(n), producer=worker, source=source)
         if self.mixer.curriculum is not None:
             for reason, n in self.mixer.skips.items():
                 m.gauge("rollout/curriculum_skips", float(n), producer=worker, reason=reason)

@@ -248,6 +248,7 @@ def test_a_restarted_worker_starts_from_the_newest_checkpoint(stack: Settings, t
     ended = Counter(ev.body.status for events in events_by_episode(stack, topics).values() for _, _, ev in events
                     if isinstance(ev.body, EpisodeEnded))
     figures: Counter[str] = Counter()
+    drawn: dict[str, float] = {}
     for message in read_topic(stack, topics.metrics):
         metric = codec.decode(message.value(), PipelineMetric)
         if metric.source == "rollout" and metric.name == "rollout/episodes":
@@ -255,7 +256,11 @@ def test_a_restarted_worker_starts_from_the_newest_checkpoint(stack: Settings, t
             figures[metric.labels["status"]] += int(metric.value)
         if metric.name == "rollout/policy_version":
             assert metric.value == 3
+        if metric.name == "rollout/tasks_drawn":  # cumulative: the newest value per source
+            drawn[metric.labels["source"]] = metric.value
     assert figures == ended and sum(ended.values()) == 2
+    groups = {ev.group_id for events in events_by_episode(stack, topics).values() for _, _, ev in events}
+    assert drawn == {"math-easy": float(len(groups))}  # one task drawn per group, from the only source
 
 
 def test_a_worker_that_follows_nothing_needs_a_checkpoint_or_an_explicit_opt_in(stack: Settings, topics: Topics) -> None:
