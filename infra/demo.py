@@ -128,6 +128,7 @@ def plan(args: argparse.Namespace, ns: str) -> list[Service]:
                             str(args.rl_batches_per_update), "--updates-per-checkpoint",
                             str(args.updates_per_checkpoint), "--sft-updates-per-checkpoint",
                             str(args.sft_updates_per_checkpoint), "--lr", str(args.lr), "--sft-lr", str(args.sft_lr),
+                            *(["--sft-until-loss", str(args.sft_until_loss)] if args.sft_until_loss else []),
                             "--warmup-updates", str(warmup_updates(args)),
                             "--max-policy-lag", "2", "--device", args.learner_device, "--keep-last",
                             str(args.keep_last), "--keep-every", str(args.keep_every), *sampling, *memory,
@@ -215,18 +216,26 @@ def shutdown(run: Run) -> None:
         console.print(f"stopped {s.name}: rc {s.rc}" + (f", {s.restarts} restarts" if s.restarts else ""))
 
 
-def announced_versions(run: Run) -> dict[int, int]:
-    """Every version the run announced (the checkpoint topic keeps each) and its creation time (ms)."""
+def announced_versions(run: Run) -> dict[int, CheckpointManifest]:
+    """Every version the run announced (the checkpoint topic keeps each), with its manifest."""
     store = ObjectStore(run.settings)
-    out: dict[int, int] = {}
+    out: dict[int, CheckpointManifest] = {}
     for message in read_topic(run.settings, Topics(run.ns).checkpoints):
         try:
             event = codec.decode(message.value() or b"", expect=CheckpointPublished)
         except DecodeError:
             continue
         if event.run == run.ns and event.version not in out:
-            out[event.version] = CheckpointManifest.from_json(store.get(event.manifest_key)).created_ts
+            out[event.version] = CheckpointManifest.from_json(store.get(event.manifest_key))
     return out
+
+
+def post_sft_version(manifests: dict[int, CheckpointManifest], args: argparse.Namespace) -> int:
+    """The version that ended the SFT phase: the newest one an SFT update made (--sft-until-loss can end the
+    phase before --sft-updates), v0 without an SFT phase."""
+    if not args.sft_updates:
+        return 0
+    return max((v for v, m in manifests.items() if m.algorithm == "sft"), default=0)
 
 
 def curve_versions(final: int, sft: int, points: int, every: int = 0) -> list[int]:
@@ -257,10 +266,11 @@ def run_eval(run: Run, args: argparse.Namespace, versions: list[int], modes: str
 
 def evaluate(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Greedy held-out success along the run (the learning curve); sampled too at v0, post-SFT and final."""
-    created = announced_versions(run)
-    if not created:
+    manifests = announced_versions(run)
+    if not manifests:
         return []
-    final, sft = max(created), min(sft_version(args), max(created))
+    created = {v: m.created_ts for v, m in manifests.items()}
+    final, sft = max(created), post_sft_version(manifests, args)
     results = run_eval(run, args, curve_versions(final, sft, args.curve_points, args.keep_every), "greedy")
     results += run_eval(run, args, sorted({0, sft, final}), "sampled")
     for r in results:
@@ -285,8 +295,9 @@ def key_results(results: list[dict[str, Any]], args: argparse.Namespace, mode: s
     if not by_version:
         return {}
     final = max(by_version)
-    return {"initial": by_version[0], "after SFT": by_version[min(sft_version(args), final)],
-            "final": by_version[final]}
+    phased = [v for v, r in by_version.items() if r.get("phase") in ("initial", "sft")]
+    after_sft = max(phased) if phased else min(sft_version(args), final)
+    return {"initial": by_version[0], "after SFT": by_version[after_sft], "final": by_version[final]}
 
 
 def better(after: dict[str, Any], before: dict[str, Any]) -> bool:
@@ -345,7 +356,11 @@ def parser() -> argparse.ArgumentParser:
                    help="rollout workers skip tasks (after N attempts) and domains (after 4N) always or never solved; "
                         "0: off")
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--sft-updates", type=int, default=100, help="updates imitating demonstrations")
+    p.add_argument("--sft-updates", type=int, default=100, help="updates imitating demonstrations (the most, with "
+                   "--sft-until-loss)")
+    p.add_argument("--sft-until-loss", type=float, default=None, metavar="L",
+                   help="end the SFT phase early once the mean SFT loss of its last 5 updates is at or under L; "
+                        "the RL phase gets the updates it did not use")
     p.add_argument("--rl-updates", type=int, default=80, help="GRPO updates after the SFT phase")
     p.add_argument("--rl-batches-per-update", type=int, default=8,
                    help="shards of --batch-trajectories merged into one GRPO update")

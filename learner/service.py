@@ -25,11 +25,11 @@ from learner.checkpoint_files import file_entries, load_model_tensors, read_chec
 from infra.faults import fault_point
 from learner.distributed import SAVE, START, STOP, TRAIN, World, join, pack, rank_device, unpack
 from learner.model import build_policy, frozen_reference
-from learner.settings import LearnerSettings, shaping_args
+from learner.settings import SFT_LOSS_WINDOW, LearnerSettings, shaping_args
 from learner.update import Lineage, TrainConfig, Trainer
 from schemas.codec import codec
 from schemas.manifests import LEARNER_FINISHED_LINE, CheckpointManifest
-from schemas.errors import PipelineError
+from schemas.errors import ConfigError, PipelineError
 from schemas.records import PipelineMetric, Trajectory
 
 STALE_UNFETCHED = "stale: not fetched (every turn of its batch was over --max-policy-lag versions behind)"
@@ -75,6 +75,9 @@ class PolicyHolder:
     """What every rank holds: the policy, its trainer and KL/DPO anchor, and the version it is at."""
 
     def __init__(self, settings: LearnerSettings, platform: Settings, world: World) -> None:
+        if settings.sft_until_loss is not None and world.distributed:
+            # the other ranks learn the phase from the update count rank 0 sends, not from its losses
+            raise ConfigError("--sft-until-loss runs in one learner process: under torchrun give --sft-updates alone")
         self.s = settings
         self.platform = platform
         self.world = world
@@ -85,13 +88,34 @@ class PolicyHolder:
         self.model: Any = None
         self.version = 0
         self.updates = 0
+        # --sft-until-loss: the update count at which the SFT phase ended early (None: not yet, or not early),
+        # and the latest SFT losses it is judged on; both saved with every checkpoint
+        self.sft_end: Optional[int] = None
+        self.sft_losses: list[float] = []
         self.reference: Any = None  # the KL / DPO anchor: checkpoint v{reference_version}, never the restored policy
         # Whose versions the data's turns count in: set from the store in resume() (a run started with --init)
         self.lineage = Lineage(run=settings.ns, replicates=settings.replica_of)
         self.trainer: Trainer
 
+    def sft_updates(self) -> int:
+        """Updates of the SFT phase: --sft-updates, or fewer where --sft-until-loss ended it early."""
+        return self.s.sft_updates if self.sft_end is None else self.sft_end
+
     def phase_algorithm(self, updates: int) -> str:
-        return "sft" if updates < self.s.sft_updates else self.s.algorithm
+        return "sft" if updates < self.sft_updates() else self.s.algorithm
+
+    def judge_sft_loss(self, metrics: dict[str, float]) -> None:
+        """After an SFT update: end the phase once the mean loss of its latest updates reaches --sft-until-loss."""
+        target = self.s.sft_until_loss
+        if target is None or self.sft_end is not None or "loss/sft" not in metrics:
+            return
+        self.sft_losses = [*self.sft_losses, metrics["loss/sft"]][-SFT_LOSS_WINDOW:]
+        mean = sum(self.sft_losses) / len(self.sft_losses)
+        if len(self.sft_losses) == SFT_LOSS_WINDOW and mean <= target and self.updates < self.s.sft_updates:
+            self.sft_end = self.updates
+            if self.world.leader:
+                print(f"SFT phase ends after {self.updates} of at most {self.s.sft_updates} updates: mean loss of "
+                      f"the last {SFT_LOSS_WINDOW} {mean:.4f} <= {target}", file=sys.stderr, flush=True)
 
     def make_trainer(self, algorithm: str) -> Trainer:
         config = train_config(self.s, algorithm)
@@ -117,6 +141,9 @@ class PolicyHolder:
         """Weights, optimizer moments and counters of a verified checkpoint; returns its trainer state."""
         state = read_checkpoint(loaded.files)
         self.updates = int(state.trainer.get("updates", 0))
+        end = state.trainer.get("sft_end")
+        self.sft_end = None if end is None else int(end)
+        self.sft_losses = [float(x) for x in state.trainer.get("sft_losses", [])]
         self.model = model_from_config(state.model_config).to(self.device)
         self.version = loaded.manifest.version
         self.trainer = self.make_trainer(self.phase_algorithm(self.updates))
@@ -246,7 +273,7 @@ class LearnerService(PolicyHolder):
             self.world.send(SAVE, self.version, self.updates)
         state = self.trainer.state_dict_for_checkpoint()
         state.trainer.update(updates=self.updates, version=self.version, trained_batch_ids=self.trained_ids,
-                             learner_args=shaping_args(self.s))
+                             learner_args=shaping_args(self.s), sft_end=self.sft_end, sft_losses=self.sft_losses)
         files = write_checkpoint(state)
         manifest = CheckpointManifest(
             run=self.s.ns, version=self.version, step=self.updates, algorithm=self.trainer.config.algorithm,
@@ -301,9 +328,9 @@ class LearnerService(PolicyHolder):
     def checkpoint_due(self) -> bool:
         """Every --updates-per-checkpoint updates; during SFT every --sft-updates-per-checkpoint, since no
         rollout worker waits for those versions; and always at the end of the SFT phase."""
-        if self.updates == self.s.sft_updates:
+        if self.updates == self.sft_updates():
             return True
-        every = self.s.sft_updates_per_checkpoint if self.updates < self.s.sft_updates else self.s.updates_per_checkpoint
+        every = self.s.sft_updates_per_checkpoint if self.updates < self.sft_updates() else self.s.updates_per_checkpoint
         return self.updates % (every or self.s.updates_per_checkpoint) == 0
 
     def batches_per_update(self) -> int:
@@ -327,6 +354,7 @@ class LearnerService(PolicyHolder):
         updated = bool(metrics.get("train/updated", 0.0))
         if updated:
             self.updates += 1
+            self.judge_sft_loss(metrics)
             self.skipped.update(unfetched)
             self.untrained.update(self.trainer.last_dropped)
         else:

@@ -18,6 +18,7 @@ from schemas.topics import Topics
 # learner was killed and restarted into it again; in parts of 8192 tokens 2.5 GB and 42 s. The demo's own
 # batches (a few dozen tokens a row) are split into a handful of parts at most.
 DEFAULT_MICRO_BATCH_TOKENS = 8192
+SFT_LOSS_WINDOW = 5  # --sft-until-loss compares the mean SFT loss of this many latest updates
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,9 @@ class LearnerSettings:
     ns: str
     algorithm: str = "grpo"
     sft_updates: int = 0  # warm start: this many SFT updates before `algorithm`
+    # End the SFT phase early once the mean SFT loss of the last SFT_LOSS_WINDOW updates is at or under this
+    # (None: always sft_updates); sft_updates stays the most it takes
+    sft_until_loss: float | None = None
     lr: float = 1e-4
     sft_lr: float | None = None  # learning rate of the SFT warm start (None: lr)
     warmup_updates: int = 0  # linear learning-rate warmup over the run's first N updates
@@ -78,6 +82,9 @@ class LearnerSettings:
             (self.rl_batches_per_update >= 1, "--rl-batches-per-update must be >= 1"),
             (self.max_updates is None or self.max_updates >= 1, "--max-updates must be >= 1 (or omit it)"),
             (self.sft_updates >= 0, "--sft-updates must be >= 0"),
+            (self.sft_until_loss is None or self.sft_until_loss > 0, "--sft-until-loss must be > 0 (or omit it)"),
+            (self.sft_until_loss is None or self.sft_updates > 0, "--sft-until-loss needs --sft-updates (the most "
+                                                                  "the SFT phase takes)"),
             (self.algorithm in ("grpo", "ppo", "sft", "dpo"), f"--algorithm {self.algorithm!r}: grpo, ppo, sft or dpo"),
             (self.lr > 0, "--lr must be > 0"),
             (self.sft_lr is None or self.sft_lr > 0, "--sft-lr must be > 0 (or omit it to use --lr)"),
@@ -129,6 +136,9 @@ def parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
     add_ns_argument(p, env=env)
     p.add_argument("--algorithm", default="grpo")
     p.add_argument("--sft-updates", type=int, default=0, help="SFT warm-start updates before --algorithm")
+    p.add_argument("--sft-until-loss", type=float, default=None, metavar="L",
+                   help="end the SFT phase early once the mean SFT loss of its last 5 updates is at or under L "
+                        "(--sft-updates stays the most it takes)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--sft-lr", type=float, default=None, help="learning rate of the SFT warm start (default: --lr)")
     p.add_argument("--warmup-updates", type=int, default=0, metavar="N",
@@ -225,7 +235,8 @@ def from_args(argv: list[str] | None = None, env: Optional[Mapping[str, str]] = 
     if not a.ns:
         raise ConfigError("--ns is required (or set TRAJPIPE_NS)")
     return LearnerSettings(
-        ns=a.ns, algorithm=a.algorithm, sft_updates=a.sft_updates, lr=a.lr, sft_lr=a.sft_lr,
+        ns=a.ns, algorithm=a.algorithm, sft_updates=a.sft_updates, sft_until_loss=a.sft_until_loss, lr=a.lr,
+        sft_lr=a.sft_lr,
         warmup_updates=a.warmup_updates,
         updates_per_checkpoint=a.updates_per_checkpoint, sft_updates_per_checkpoint=a.sft_updates_per_checkpoint,
         rl_batches_per_update=a.rl_batches_per_update,
@@ -256,6 +267,8 @@ def shaping_args(s: LearnerSettings) -> list[str]:
     args += ["--micro-batch-tokens", str(s.micro_batch_tokens)]  # the same gradient, summed in another order
     if s.sft_lr is not None:
         args += ["--sft-lr", repr(s.sft_lr)]
+    if s.sft_until_loss is not None:
+        args += ["--sft-until-loss", repr(s.sft_until_loss)]
     if s.warmup_updates:
         args += ["--warmup-updates", str(s.warmup_updates)]
     if s.sft_updates_per_checkpoint is not None:

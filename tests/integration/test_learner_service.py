@@ -501,3 +501,22 @@ def test_the_next_update_trains_while_a_checkpoint_is_stored_and_both_ways_end_w
         background, foreground = final_weights(store, topics.ns, version), final_weights(store, fore.ns, version)
         for name, tensor in background.items():
             torch.testing.assert_close(tensor, foreground[name], rtol=0, atol=1e-6, msg=f"v{version} {name}")
+
+
+def test_the_sft_phase_ends_at_its_loss_target_and_a_restarted_learner_stays_in_the_rl_phase(
+        stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
+    """--sft-until-loss ends the SFT phase once the mean loss of its last 5 updates reaches the target (here any
+    loss does: the phase ends after 5 of at most 20 updates). The end is saved with the checkpoints: a learner
+    restarted after it goes on with GRPO instead of going back to imitation until update 20."""
+    publish_batches(stack, store, topics, 16)
+    flags = ("--algorithm", "grpo", "--sft-updates", "20", "--sft-until-loss", "1000", "--max-policy-lag", "100")
+    first = run_learner(stack, topics.ns, tmp_path, None, *flags, "--max-updates", "7")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "SFT phase ends after 5 of at most 20 updates" in first.stderr
+    rest = run_learner(stack, topics.ns, tmp_path, None, *flags)
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    assert "resumed v5 after 7 updates" in rest.stderr and "SFT phase ends" not in rest.stderr
+    lineage = announced_lineage(stack, store, topics)
+    phases = [(m.step, m.algorithm) for m in lineage]
+    assert phases[:4] == [(0, "sft"), (2, "sft"), (4, "sft"), (5, "sft")]  # the phase's end is a checkpoint
+    assert [a for _, a in phases[4:]] == ["grpo"] * (len(phases) - 4) and phases[-1][0] > 7

@@ -57,6 +57,25 @@ def test_no_significant_gain_or_an_rl_phase_that_hurt_is_unhealthy() -> None:
     assert "run ended by time limit" in healthy(run, hurt, "time limit", _args())  # type: ignore[arg-type]
 
 
+def test_an_sft_phase_ended_early_by_its_loss_target_is_judged_from_the_version_that_ended_it() -> None:
+    """--sft-until-loss ended the SFT phase at v1 where --sft-updates alone would have ended it at v2: the RL gain
+    is measured from v1, the last version an SFT update made."""
+    from infra.demo import post_sft_version
+    from schemas.manifests import CheckpointManifest
+
+    args = parser().parse_args(["--sft-updates", "40", "--sft-updates-per-checkpoint", "20", "--sft-until-loss",
+                                "0.5"])
+    learner = next(s for s in plan(args, "demo") if s.name == "learner")
+    assert learner.argv[learner.argv.index("--sft-until-loss") + 1] == "0.5"
+    manifests = {v: CheckpointManifest(run="demo", version=v, step=v, algorithm="sft" if v <= 1 else "grpo", files={},
+                                       offsets={}, batch_ids=[], model_config={}, created_ts=v) for v in range(4)}
+    assert post_sft_version(manifests, args) == 1
+    phase = {0: "initial", 1: "sft", 2: "rl", 3: "rl"}
+    results = [{**_result(v, "greedy", wins), "phase": phase[v]} for v, wins in ((0, 0), (1, 100), (2, 130), (3, 160))]
+    assert goals(results, args)[0].startswith("greedy: final held-out success 0.625 (goal 0.8: NOT met), RL gain over "
+                                              "post-SFT +0.234")  # from v1 (0.391); from v2 it would be +0.117
+
+
 def test_rollout_workers_start_with_the_rl_phase_and_at_once_without_an_sft_phase() -> None:
     def starts(argv: list[str]) -> dict[str, str]:
         args = apply_preset(parser().parse_args(argv), argv)
