@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -107,17 +108,20 @@ def test_compose_config_validates_the_file_with_the_compose_binary(tmp_path: Pat
         command = [docker, "compose"]
     else:
         pytest.skip("no docker-compose: `python -m infra fetch` builds it (CI does); the YAML tests above ran")
+    # Compose lets the shell's variables override the env file: a shell that ran `eval "$(python -m infra env)"`
+    # would resolve the local broker's address instead of the file's. Only PATH and HOME go through.
+    shell = {k: os.environ[k] for k in ("PATH", "HOME") if k in os.environ}
     env = tmp_path / ".env"
     env.write_text("MINIO_ROOT_USER=u\nMINIO_ROOT_PASSWORD=p\n")
     proc = subprocess.run([*command, "-f", str(COMPOSE), "--env-file", str(env), "config", "-q"],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=shell)
     assert proc.returncode == 0, proc.stderr
     cluster = ("MINIO_ROOT_USER=u\nMINIO_ROOT_PASSWORD=p\nGRAFANA_ADMIN_PASSWORD=g\nKAFKA_REPLICATION=3\nKAFKA_MIN_ISR=2\n"
                "KAFKA_VOTERS=1@kafka:9093,2@kafka-2:9093,3@kafka-3:9093\n"
                "TRAJPIPE_KAFKA_BOOTSTRAP=kafka:9092,kafka-2:9092,kafka-3:9092\n")
     env.write_text(cluster)  # every profile: three brokers, Prometheus and Grafana
     proc = subprocess.run([*command, "-f", str(COMPOSE), "--env-file", str(env), "--profile", "cluster", "--profile",
-                           "observability", "config", "--format", "json"], capture_output=True, text=True)
+                           "observability", "config", "--format", "json"], capture_output=True, text=True, env=shell)
     assert proc.returncode == 0, proc.stderr
     resolved = json.loads(proc.stdout)["services"]
     assert {"kafka-2", "kafka-3", "prometheus", "grafana"} <= set(resolved)
@@ -127,5 +131,5 @@ def test_compose_config_validates_the_file_with_the_compose_binary(tmp_path: Pat
     assert resolved["learner"]["environment"]["TRAJPIPE_KAFKA_BOOTSTRAP"].count(",") == 2
     env.write_text("MINIO_ROOT_USER=u\n")  # a missing secret: refused with the file's own message
     proc = subprocess.run([*command, "-f", str(COMPOSE), "--env-file", str(env), "config", "-q"],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=shell)
     assert proc.returncode != 0 and "set MINIO_ROOT_PASSWORD in the env file" in proc.stderr
