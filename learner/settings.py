@@ -137,8 +137,8 @@ def parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
     p.add_argument("--algorithm", default="grpo")
     p.add_argument("--sft-updates", type=int, default=0, help="SFT warm-start updates before --algorithm")
     p.add_argument("--sft-until-loss", type=float, default=None, metavar="L",
-                   help="end the SFT phase early once the mean SFT loss of its last 5 updates is at or under L "
-                        "(--sft-updates stays the most it takes)")
+                   help=f"end the SFT phase early once the mean SFT loss of its last {SFT_LOSS_WINDOW} updates is at or "
+                        "under L (--sft-updates stays the most it takes)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--sft-lr", type=float, default=None, help="learning rate of the SFT warm start (default: --lr)")
     p.add_argument("--warmup-updates", type=int, default=0, metavar="N",

@@ -27,9 +27,7 @@ SOURCES: dict[str, Callable[..., TaskSource]] = {
 
 def seeded_source(name: str, seed: int) -> TaskSource:
     """A source by name with `seed` when it takes one (HumanEval is a fixed list and takes none)."""
-    if name.startswith((PREFIX, environments.PREFIX)):
-        return load_source(name, seed=seed)
-    if name.startswith(LENGTH_PREFIX):
+    if name.startswith((PREFIX, environments.PREFIX, LENGTH_PREFIX)):
         return load_source(name, seed=seed)
     accepts_seed = "seed" in inspect.signature(SOURCES[name]).parameters if name in SOURCES else False
     return load_source(name, seed=seed) if accepts_seed else load_source(name)

@@ -11,10 +11,10 @@ only: one source per length, so the curriculum retires a length once the policy 
 the rollouts on the lengths it does not. A word's task id is the same in both forms, and so is its split.
 
 The 3M-parameter model learns the lengths in order, each with a jump whose timing varies from run to run,
-and GRPO on two cores moves the frontier by one length at most, and not in every run: from the same post-SFT weights (6-letter
-words at 0.02 held-out greedy), 40 GRPO updates of 512 trajectories took 5-letter words from 0.16 to 0.94 and
-left 6-letter words at 0.03 (learning rate 3e-4), 0.00 (1e-3), 0.02 (rollouts weighted towards 5 and 6
-letters) and 0.03 (temperature 0.7).
+and GRPO on two cores moves the frontier by one length at most, and not in every run: from the same
+post-SFT weights (6-letter words at 0.02 held-out greedy), 40 GRPO updates of 512 trajectories took 5-letter
+words from 0.16 to 0.94 and left 6-letter words at 0.03 (learning rate 3e-4), 0.00 (1e-3), 0.02 (rollouts
+weighted towards 5 and 6 letters) and 0.03 (temperature 0.7).
 """
 from __future__ import annotations
 
