@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
@@ -57,7 +58,7 @@ class StepSummary:
     tokens: int = 0
     statuses: dict[str, int] = field(default_factory=dict)
     generate_s: float = 0.0
-    sandbox_s: float = 0.0
+    sandbox_s: float = 0.0  # executing actions: sandbox runs, tool calls, installed environments' feedback
     skipped_too_long: int = 0
 
 
@@ -80,6 +81,7 @@ class EpisodeRunner:
                  max_context: int = 2048, flush: Callable[[], None] = lambda: None) -> None:
         self.backend, self.code_runner, self.emit, self.flush = backend, code_runner, emit, flush
         self.settings, self.should_stop, self.max_context = settings, should_stop, max_context
+        self._consultants: Optional[ThreadPoolExecutor] = None  # made when an environment's episode first needs it
 
     # ---- events --------------------------------------------------------------------------------
     def _event(self, ep: Episode, body: Body) -> None:
@@ -180,6 +182,7 @@ class EpisodeRunner:
         code = [ep for ep in live if ep.task.domain == "code"]
         results = dict(zip((ep.episode_id for ep in code), self.execute(code, summary))) if code else {}
         tools = self.use_tools([ep for ep in live if ep.task.domain == "terminal"], summary)
+        answers = self.consult_environments([ep for ep in live if environments.name_of(ep.task.domain)], summary)
         still: list[Episode] = []
         for ep in live:
             result = results.get(ep.episode_id)
@@ -195,8 +198,8 @@ class EpisodeRunner:
             ep.turn += 1
             if ep.task.domain == "terminal":
                 step = self.terminal_step(ep, tool)
-            elif environments.name_of(ep.task.domain) is not None:
-                step = self.environment_step(ep)
+            elif ep.episode_id in answers:
+                step = answers[ep.episode_id]
             else:
                 verdict = self.verdict(ep, result)  # None only after a run that failed: try again
                 if verdict is None and result is not None:
@@ -252,11 +255,24 @@ class EpisodeRunner:
             return "aborted", "worker stopping"
         return f"\n{observation}\n"
 
-    def environment_step(self, ep: Episode) -> tuple[str, str] | str:
-        """An installed environment decides whether its episode goes on, and with what observation."""
+    def consult_environments(self, live: list[Episode], summary: StepSummary) -> dict[str, tuple[str, str] | str]:
+        """Each installed environment's episode's next step (environment_step), all of a turn's at once: a
+        feedback that waits on a remote tool or checker waits once a turn, not once an episode."""
+        if not live:
+            return {}
+        if self._consultants is None:
+            self._consultants = ThreadPoolExecutor(self.settings.tool_workers, thread_name_prefix="environment")
+        started = time.perf_counter()
+        steps = list(self._consultants.map(lambda ep: self.environment_step(ep, ep.turn + 1), live))
+        summary.sandbox_s += time.perf_counter() - started
+        return {ep.episode_id: step for ep, step in zip(live, steps)}
+
+    def environment_step(self, ep: Episode, turn: int) -> tuple[str, str] | str:
+        """An installed environment decides whether its episode goes on after `turn` turns, and with what
+        observation."""
         try:
             observation = environment_feedback(ep.task, ep.last.text if ep.last else "") \
-                if ep.turn < self.max_turns(ep.task) and not self.should_stop() else None
+                if turn < self.max_turns(ep.task) and not self.should_stop() else None
         except Exception as exc:  # an installed package's code: its failure ends this episode only
             return "error", f"environment feedback failed: {exc!r}"[:300]
         if observation is None:

@@ -28,6 +28,7 @@ class WorkerSettings:
     max_policy_lag: int = 2
     sandbox: str | None = None
     sandbox_workers: int = 2
+    tool_workers: int = 16  # installed environments' feedback calls of one turn made at once (they may wait on I/O)
     episodes: int | None = None  # stop after this many episodes (None: run until SIGTERM)
     seed: int = 0
     follow_checkpoints: bool = True
@@ -51,6 +52,7 @@ class WorkerSettings:
             (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
             (self.max_policy_lag >= 0, f"--max-policy-lag must be >= 0, got {self.max_policy_lag}"),
             (self.sandbox_workers >= 1, f"--sandbox-workers must be >= 1, got {self.sandbox_workers}"),
+            (self.tool_workers >= 1, f"--tool-workers must be >= 1, got {self.tool_workers}"),
             (self.temperature > 0 or not self.follow_checkpoints,
              "--temperature must be > 0 for RL (a greedy policy gives a group no variance); 0 is for evaluation "
              "with --no-follow"),
@@ -105,6 +107,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-policy-lag", type=int, default=2)
     p.add_argument("--sandbox", default=None, help="docker | bwrap | subprocess (default: the best available)")
     p.add_argument("--sandbox-workers", type=int, default=2)
+    p.add_argument("--tool-workers", type=int, default=16,
+                   help="installed environments' feedback calls of one turn made at once, each in a thread: a "
+                        "feedback that waits on a remote tool or checker waits once a turn, not once an episode")
     p.add_argument("--episodes", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-follow", action="store_true", help="do not hot-load published checkpoints")
@@ -139,7 +144,8 @@ def from_args(argv: list[str] | None = None) -> WorkerSettings:
         sources=tuple(s.strip() for s in args.sources.split(",") if s.strip()), weights=parse_weights(args.weights),
         group_size=args.group_size, prompts_per_step=args.prompts_per_step, max_turns=args.max_turns,
         temperature=args.temperature, max_new_tokens=args.max_new_tokens, max_policy_lag=args.max_policy_lag,
-        sandbox=args.sandbox, sandbox_workers=args.sandbox_workers, episodes=args.episodes, seed=args.seed,
+        sandbox=args.sandbox, sandbox_workers=args.sandbox_workers,
+        tool_workers=args.tool_workers, episodes=args.episodes, seed=args.seed,
         follow_checkpoints=not args.no_follow, curriculum_min_attempts=args.curriculum,
         curriculum_probe=args.curriculum_probe,
         max_episodes_per_version=args.max_episodes_per_version, quota_wait_s=args.quota_wait_s,

@@ -25,7 +25,9 @@ Tasks: rollout workers draw them as `--sources env:<name>` (`env:*`: every insta
 held-out split every source has (by task id) and `EnvTask.demonstration` for SFT. The episode: the policy
 sees `prompt`, its answer goes to `feedback` (run in the rollout worker, never in the sandbox: an
 environment that executes model-written code must use the code domain's sandbox), and the episode ends when
-feedback returns None or after max_turns. The verifier: `streams/` calls `verify` with the recorded task spec
+feedback returns None or after max_turns. A turn's feedback calls run at once, each in a thread of the
+worker (`--tool-workers`), so a feedback that waits on a remote tool or checker costs one wait a turn: it
+must be safe to call from several threads. The verifier: `streams/` calls `verify` with the recorded task spec
 and the last turn's text only, so history re-scores. Components are namespaced like the built-in ones
 (outcome/..., process/...); the truncation and length penalties are added by the pipeline.
 

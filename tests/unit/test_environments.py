@@ -6,17 +6,22 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
+from producers.episodes import EpisodeRunner
+from producers.sandbox_runner import NoCodeRunner
+from producers.settings import WorkerSettings
 from producers.tasks import load_source
 from producers.tasks.environments import EnvironmentSource, expand, feedback
 from producers.tasks.split import SplitSource
 from schemas import environments
 from schemas.errors import ConfigError, RewardError, ValidationError
+from schemas.records import EpisodeEnded, RolloutEvent
 from schemas.tasks import decode_task_spec, is_domain
 from streams import rewards
 from streams.rewards import get_reward_fn
@@ -24,6 +29,7 @@ from streams.validation import validate
 from tests.environment_package import install
 from tests.streams_data import Episode, events_of
 from tests.unit.test_rewards import traj, turn
+from tests.unit.test_terminal import ScriptedPolicy
 
 SCORE = get_reward_fn("default", "1")
 
@@ -58,7 +64,8 @@ def vowels(word: str) -> int:
 
 
 def test_the_installed_package_adds_a_domain_whose_tasks_are_reproducible_and_split(site: Path) -> None:
-    assert environments.installed() == ["vowels"] and expand(["env:*", "math"]) == ["env:vowels", "math"]
+    assert environments.installed() == ["vowels", "vowels-remote"]
+    assert expand(["env:*", "math"]) == ["env:vowels", "env:vowels-remote", "math"]
     source = load_source("env:vowels", seed=3)
     assert isinstance(source, EnvironmentSource) and len(source) == 5000 and source.domain == "env/vowels"
     task = source[7]
@@ -107,6 +114,32 @@ def test_a_verifier_that_raises_or_answers_nonsense_and_a_task_too_new_are_rewar
     monkeypatch.setattr(env, "verify", lambda spec, answer: spec["no such key"])
     with pytest.raises(RewardError, match="KeyError"):
         SCORE(traj("env/vowels", task.task_spec, [turn(0, "1")]))
+
+
+def test_a_turns_feedback_calls_are_made_at_once(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vowels-remote's checker is a remote service: the worker waits for its replies together, not one
+    episode after another. Here each reply comes only once every episode of the turn has asked."""
+    monkeypatch.setenv("TRAJPIPE_EXAMPLE_CHECKER_S", "0")
+    task = EnvironmentSource("vowels-remote", seed=0)[0]
+    word = task.spec["word"]
+    assert feedback(task, str(vowels(word) + 1)) == " wrong, try again:" and feedback(task, str(vowels(word))) is None
+    group = 6
+    everyone_asked = threading.Barrier(group, timeout=60)
+    remote = environments.load("vowels-remote")
+    checked = remote.feedback
+
+    def feedback_together(spec: dict[str, str], answer: str) -> str | None:
+        everyone_asked.wait()  # one call at a time would break the barrier: that episode ends in error
+        return checked(spec, answer)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(remote, "feedback", feedback_together)
+    events: list[RolloutEvent] = []
+    settings = WorkerSettings(ns="t", producer_id="p", group_size=group, prompts_per_step=1, max_new_tokens=4)
+    wrong = str(vowels(word) + 1)
+    EpisodeRunner(ScriptedPolicy([wrong, str(vowels(word))]), NoCodeRunner(), events.append, settings).run_step([task])
+    ended = [e.body for e in events if isinstance(e.body, EpisodeEnded)]
+    assert [(e.status, e.num_turns) for e in ended] == [("completed", 2)] * group, ended
+    assert everyone_asked.n_waiting == 0 and not everyone_asked.broken
 
 
 def test_without_the_package_its_domain_is_unknown_with_a_reason_and_nothing_else_changes() -> None:
