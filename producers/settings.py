@@ -28,7 +28,7 @@ class WorkerSettings:
     max_policy_lag: int = 2
     sandbox: str | None = None
     sandbox_workers: int = 2
-    tool_workers: int = 16  # installed environments' feedback calls of one turn made at once (they may wait on I/O)
+    tool_workers: int = 64  # installed environments' feedback calls of one turn made at once (they may wait on I/O)
     episodes: int | None = None  # stop after this many episodes (None: run until SIGTERM)
     seed: int = 0
     follow_checkpoints: bool = True
@@ -107,7 +107,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-policy-lag", type=int, default=2)
     p.add_argument("--sandbox", default=None, help="docker | bwrap | subprocess (default: the best available)")
     p.add_argument("--sandbox-workers", type=int, default=2)
-    p.add_argument("--tool-workers", type=int, default=16,
+    p.add_argument("--tool-workers", type=int, default=64,
                    help="installed environments' feedback calls of one turn made at once, each in a thread: a "
                         "feedback that waits on a remote tool or checker waits once a turn, not once an episode")
     p.add_argument("--episodes", type=int, default=None)

@@ -1,14 +1,21 @@
 """End-to-end benchmark: the streaming pipeline (every service a process) versus a synchronous in-process
 loop (generate, score, train, repeat) for the same model, tasks and number of updates.
 
-    python tests/benchmarks/bench_e2e.py [--updates 12]
+    python tests/benchmarks/bench_e2e.py [--updates 12] [--checker-s 1.0]
 
 Both sides use the same code for each stage (rollout episodes, assembly, reward, group advantages,
 GRPO update); the synchronous loop calls it in turn, the pipeline overlaps it across processes.
+
+Two workloads. math-easy: nothing to wait for, every stage is CPU on the same two cores. vowels-remote (the
+example environment package, installed for the run): an answer is checked by a remote service before the
+second try, a wait of --checker-s that uses no CPU, as a compile farm, a game engine or a judge model costs
+the rollout worker. The loop waits for it every step; the pipeline's rollout workers wait while the others
+generate and the learner trains.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import signal
@@ -18,7 +25,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -37,14 +44,35 @@ from producers.policy import make_backend  # noqa: E402
 from producers.sandbox_runner import SandboxCodeRunner  # noqa: E402
 from producers.settings import WorkerSettings  # noqa: E402
 from producers.tasks import TaskMixer, load_source  # noqa: E402
+from schemas import environments  # noqa: E402
 from schemas.models import tiny_llama_config  # noqa: E402
 from schemas.records import RolloutEvent, SourcePosition, Trajectory  # noqa: E402
 from schemas.topics import Topics  # noqa: E402
 from streams import assembly, grouping  # noqa: E402
 from streams.scoring import Scorer  # noqa: E402
 from tests.benchmarks.report import Figure, record, scratch  # noqa: E402
+from tests.environment_package import install  # noqa: E402
 
 GROUP, PROMPTS, NEW_TOKENS, LAYERS, WIDTH, BATCH = 8, 4, 6, 4, 256, 64
+CHECKER_S = "TRAJPIPE_EXAMPLE_CHECKER_S"
+
+
+@dataclass(frozen=True)
+class Workload:
+    source: str
+    producers: int  # rollout workers of the pipeline
+    env: dict[str, str] = field(default_factory=dict)  # for every process (and this one, for the loop)
+
+
+def remote_checker(checker_s: float) -> Workload:
+    """vowels-remote, its package installed into a private directory that every process gets on its path."""
+    site = install(Path(tempfile.mkdtemp(prefix="bench-e2e-site-")))
+    sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+    environments._entry_points.cache_clear()
+    # Four rollout workers: they spend most of a step waiting on the checker, which costs no CPU.
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    return Workload("env:vowels-remote", 4, {CHECKER_S: str(checker_s), "PYTHONPATH": path})
 
 
 def score_events(events: list[RolloutEvent], scorer: Scorer) -> list[Trajectory]:
@@ -69,14 +97,16 @@ def to_trajectories(events: list[RolloutEvent], scorer: Scorer) -> list[Trajecto
     return out
 
 
-def synchronous(updates: int) -> dict[str, float]:
-    settings = WorkerSettings(ns="sync", producer_id="sync", group_size=GROUP, prompts_per_step=PROMPTS,
-                              max_new_tokens=NEW_TOKENS)
+def synchronous(updates: int, workload: Workload, prompts: int = PROMPTS) -> dict[str, float]:
+    """The loop, `prompts` prompts (of GROUP episodes each) a step."""
+    os.environ.update({k: v for k, v in workload.env.items() if k != "PYTHONPATH"})  # this process: sys.path
+    settings = WorkerSettings(ns="sync", producer_id="sync", group_size=GROUP, prompts_per_step=prompts,
+                              max_new_tokens=NEW_TOKENS, tool_workers=GROUP * prompts)  # one wait a turn
     backend = make_backend("transformers", None, seed=0, config=tiny_llama_config(layers=LAYERS, width=WIDTH))
     code = SandboxCodeRunner(None, workers=2)
     events: list[RolloutEvent] = []
     runner = EpisodeRunner(backend, code, events.append, settings)
-    mixer = TaskMixer([load_source("math-easy")], seed=0, curriculum=None)
+    mixer = TaskMixer([load_source(workload.source)], seed=0, curriculum=None)
     trainer = Trainer(build_policy(layers=LAYERS, width=WIDTH, seed=0), TrainConfig(algorithm="grpo", lr=1e-3))
     scorer = Scorer.load("default", "1")
     times: dict[str, float] = defaultdict(float)
@@ -86,7 +116,7 @@ def synchronous(updates: int) -> dict[str, float]:
         batch: list[Trajectory] = []
         while len(batch) < BATCH:
             events.clear()
-            s = runner.run_step([mixer.next() for _ in range(PROMPTS)])
+            s = runner.run_step([mixer.next() for _ in range(prompts)])
             times["generate"] += s.generate_s
             times["sandbox"] += s.sandbox_s
             t0 = time.perf_counter()
@@ -120,12 +150,12 @@ def watch_updates(proc: subprocess.Popen, done_at: list[float]) -> threading.Thr
     return thread
 
 
-def pipeline(updates: int, settings: Settings, *learner_args: str) -> dict[str, float]:
+def pipeline(updates: int, settings: Settings, workload: Workload, *learner_args: str) -> dict[str, float]:
     ns = scratch("bench-e2e-", 6)
     bootstrap(settings, ns, partitions=2)
     # One OpenMP thread per service, as the supervisor starts them (Service.threads): five processes of two
     # threads each on two cores spun against each other, and every stage ran 4-5x slower (x7.4 -> x3.4).
-    env = {**os.environ, **settings.as_env(), "OMP_NUM_THREADS": str(Service("bench", []).threads)}
+    env = {**os.environ, **settings.as_env(), "OMP_NUM_THREADS": str(Service("bench", []).threads), **workload.env}
     model = ["--layers", str(LAYERS), "--width", str(WIDTH)]
     tmp = tempfile.mkdtemp()
     cmds = {
@@ -133,10 +163,11 @@ def pipeline(updates: int, settings: Settings, *learner_args: str) -> dict[str, 
         "writer": ["consumers.shard_writer", "--ns", ns, "--max-trajectories", str(BATCH), "--max-age-s", "3"],
         "learner": ["learner", "--ns", ns, "--max-updates", str(updates), "--updates-per-checkpoint", "1",
                     "--lr", "1e-3", "--cache-dir", tmp, *model, *learner_args],
-        **{f"producer-{i}": ["producers", "--ns", ns, "--sources", "math-easy", "--group-size", str(GROUP),
+        **{f"producer-{i}": ["producers", "--ns", ns, "--sources", workload.source, "--group-size", str(GROUP),
                              "--prompts-per-step", str(PROMPTS), "--max-new-tokens", str(NEW_TOKENS),
                              "--max-policy-lag", "1", "--max-episodes-per-version", str(BATCH * 3 // 4),
-                             "--producer-id", f"p{i}", "--seed", str(i), *model] for i in range(2)},
+                             "--tool-workers", str(GROUP * PROMPTS), "--producer-id", f"p{i}", "--seed", str(i),
+                             *model] for i in range(workload.producers)},
     }
     start = time.perf_counter()
     procs = {n: subprocess.Popen([sys.executable, "-m", *c], env=env, stdout=subprocess.PIPE,
@@ -168,24 +199,23 @@ def pipeline(updates: int, settings: Settings, *learner_args: str) -> dict[str, 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--updates", type=int, default=12)
+    p.add_argument("--checker-s", type=float, default=1.0,
+                   help="seconds the vowels-remote checker takes to answer (0: that workload is not run)")
     args = p.parse_args()
     started = time.monotonic()
     torch.set_num_threads(2)
     launcher = Launcher()
     launcher.up()
     settings = launcher.settings()
-    sync = synchronous(args.updates)
-    pipe = pipeline(args.updates, settings)
-    fore = pipeline(args.updates, settings, "--foreground-checkpoints")  # each checkpoint stored before the next update
+    easy = Workload("math-easy", 2)
+    sync = synchronous(args.updates, easy)
+    pipe = pipeline(args.updates, settings, easy)
+    fore = pipeline(args.updates, settings, easy, "--foreground-checkpoints")  # each checkpoint stored before the next update
     print(f"tiny Llama ({LAYERS} layers, width {WIDTH}), math-easy, G={GROUP}, {BATCH} trajectories per update, "
           f"{args.updates} GRPO updates")
     print(f"synchronous loop: {sync['wall']:.1f}s wall = generate {sync['generate']:.1f}s + sandbox "
           f"{sync['sandbox']:.1f}s + score {sync['score']:.1f}s + train {sync['train']:.1f}s")
-    print(f"streaming pipeline: {pipe['wall']:.1f}s wall (2 rollout workers, streams, shard writer, learner as "
-          f"processes); per worker: generate {pipe['generate']:.1f}s, sandbox {pipe['sandbox']:.1f}s, paused "
-          f"{pipe['producer_paused']:.1f}s; learner: train {pipe['train']:.1f}s, checkpoints {pipe['checkpoint']:.1f}s "
-          f"in its update loop + {pipe['publish']:.1f}s storing and announcing in the background, "
-          f"waiting for data {pipe['learner_waiting']:.1f}s; {pipe['events']:.0f} events")
+    describe(pipe)
     ratio = pipe["steady_per_update"] / sync["steady_per_update"]
     print(f"ratio pipeline/synchronous wall time: {pipe['wall'] / sync['wall']:.2f}; seconds per update after the "
           f"first (start-up excluded): synchronous {sync['steady_per_update']:.2f}, pipeline "
@@ -194,20 +224,60 @@ def main() -> None:
     print(f"the same pipeline with --foreground-checkpoints (each stored and announced before the next update): "
           f"{fore['steady_per_update']:.2f} s per update (x{fore_ratio:.2f}); checkpoints "
           f"{fore['checkpoint']:.1f}s of its update loop; rollout workers paused {fore['producer_paused']:.1f}s")
-    record("bench_e2e", f"{args.updates} GRPO updates of {BATCH} math-easy trajectories, tiny Llama {LAYERS}x{WIDTH}; "
-           "synchronous in-process loop vs every stage a process", [
-               Figure("synchronous loop, wall", sync["wall"], "s"),
-               Figure("streaming pipeline, wall (start-up included)", pipe["wall"], "s", pipe["wall"] / sync["wall"],
-                      "synchronous"),
-               Figure("seconds per update, start-up excluded", pipe["steady_per_update"], "s", ratio,
-                      "synchronous", "≤ 1.2", ratio <= 1.2),
-               Figure("seconds per update, checkpoints stored in the foreground", fore["steady_per_update"], "s",
-                      fore_ratio, "synchronous"),
-               Figure("learner's update loop on checkpoints", pipe["checkpoint"], "s",
-                      pipe["checkpoint"] / max(fore["checkpoint"], 1e-9), "foreground checkpoints"),
-               Figure("learner waiting for data", 100 * pipe["learner_waiting"] / pipe["wall"], "% of the wall time"),
-               Figure("rollout worker generating", 100 * pipe["generate"] / pipe["wall"], "% of the wall time"),
-           ], started)
+    figures = [
+        Figure("synchronous loop, wall", sync["wall"], "s"),
+        Figure("streaming pipeline, wall (start-up included)", pipe["wall"], "s", pipe["wall"] / sync["wall"],
+               "synchronous"),
+        Figure("seconds per update, start-up excluded", pipe["steady_per_update"], "s", ratio,
+               "synchronous", "≤ 1.2", ratio <= 1.2),
+        Figure("seconds per update, checkpoints stored in the foreground", fore["steady_per_update"], "s",
+               fore_ratio, "synchronous"),
+        Figure("learner's update loop on checkpoints", pipe["checkpoint"], "s",
+               pipe["checkpoint"] / max(fore["checkpoint"], 1e-9), "foreground checkpoints"),
+        Figure("learner waiting for data", 100 * pipe["learner_waiting"] / pipe["wall"], "% of the wall time"),
+        Figure("rollout worker generating", 100 * pipe["generate"] / pipe["wall"], "% of the wall time"),
+    ]
+    workload = f"{args.updates} GRPO updates of {BATCH} trajectories, tiny Llama {LAYERS}x{WIDTH}; math-easy"
+    if args.checker_s > 0:
+        remote = remote_checker(args.checker_s)
+        sync_r = synchronous(args.updates, remote)
+        # The loop's own way to wait less: as many episodes a step as the pipeline's rollout workers have in flight.
+        wide = synchronous(args.updates, remote, PROMPTS * remote.producers)
+        pipe_r = pipeline(args.updates, settings, remote)
+        ratio_r = pipe_r["steady_per_update"] / sync_r["steady_per_update"]
+        ratio_w = pipe_r["steady_per_update"] / wide["steady_per_update"]
+        print(f"vowels-remote, its checker answering in {args.checker_s:g} s: synchronous loop {sync_r['wall']:.1f}s "
+              f"wall = generate {sync_r['generate']:.1f}s + waiting on the checker {sync_r['sandbox']:.1f}s + score "
+              f"{sync_r['score']:.1f}s + train {sync_r['train']:.1f}s; {sync_r['steady_per_update']:.2f} s per update")
+        describe(pipe_r)
+        print(f"the loop with {PROMPTS * remote.producers} prompts a step: {wide['wall']:.1f}s wall, waiting on the "
+              f"checker {wide['sandbox']:.1f}s; {wide['steady_per_update']:.2f} s per update")
+        print(f"seconds per update after the first: synchronous {sync_r['steady_per_update']:.2f} "
+              f"({PROMPTS * remote.producers} prompts a step: {wide['steady_per_update']:.2f}), pipeline with "
+              f"{remote.producers} rollout workers {pipe_r['steady_per_update']:.2f} (x{ratio_r:.2f}; x{ratio_w:.2f})")
+        figures += [
+            Figure(f"vowels-remote (checker {args.checker_s:g} s): synchronous loop, seconds per update",
+                   sync_r["steady_per_update"], "s"),
+            Figure(f"vowels-remote: pipeline ({remote.producers} rollout workers), seconds per update",
+                   pipe_r["steady_per_update"], "s", ratio_r, "synchronous", "< 1 (overlap pays)", ratio_r < 1),
+            Figure(f"vowels-remote: pipeline vs the loop with {PROMPTS * remote.producers} prompts a step",
+                   pipe_r["steady_per_update"], "s", ratio_w, f"synchronous, {PROMPTS * remote.producers} prompts a step",
+                   "< 1 (overlap pays)", ratio_w < 1),
+            Figure("vowels-remote: synchronous loop waiting on the checker", 100 * sync_r["sandbox"] / sync_r["wall"],
+                   "% of the wall time"),
+            Figure("vowels-remote: pipeline learner waiting for data",
+                   100 * pipe_r["learner_waiting"] / pipe_r["wall"], "% of the wall time"),
+        ]
+        workload += f" and vowels-remote (checker {args.checker_s:g} s)"
+    record("bench_e2e", f"{workload}; synchronous in-process loop vs every stage a process", figures, started)
+
+
+def describe(pipe: dict[str, float]) -> None:
+    print(f"streaming pipeline: {pipe['wall']:.1f}s wall (rollout workers, streams, shard writer, learner as "
+          f"processes); per worker: generate {pipe['generate']:.1f}s, sandbox and tools {pipe['sandbox']:.1f}s, "
+          f"paused {pipe['producer_paused']:.1f}s; learner: train {pipe['train']:.1f}s, checkpoints "
+          f"{pipe['checkpoint']:.1f}s in its update loop + {pipe['publish']:.1f}s storing and announcing in the "
+          f"background, waiting for data {pipe['learner_waiting']:.1f}s; {pipe['events']:.0f} events")
 
 
 if __name__ == "__main__":
