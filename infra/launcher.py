@@ -138,6 +138,20 @@ class Launcher:
                              f"{wanted}: `python -m infra down`, then delete {self.state}/kafka-data* (its topics "
                              f"are lost) to make it again with {wanted}")
         self.brokers = wanted
+        self._check_ports()
+
+    def _check_ports(self) -> None:
+        """Kafka's ports (a listener and a controller per node) and MinIO's (API and console) must not overlap,
+        or the second server to start would find its port taken by the first."""
+        kafka = range(self.kafka_port, self.kafka_port + 2 * self.brokers)
+        minio = range(self.minio_port, self.minio_port + 2)
+        for name, ports in (("Kafka", kafka), ("MinIO", minio)):
+            if ports[0] < 1 or ports[-1] > 65535:
+                raise InfraError(f"{name} needs ports {ports[0]}..{ports[-1]}, outside 1..65535")
+        if set(kafka) & set(minio):
+            raise InfraError(f"MinIO's ports {minio[0]}..{minio[-1]} overlap Kafka's {kafka[0]}..{kafka[-1]} "
+                             f"({self.brokers} broker(s), two ports each): set TRAJPIPE_MINIO_PORT or "
+                             f"TRAJPIPE_KAFKA_PORT so they do not")
 
     # ---- servers -------------------------------------------------------------------------------
     @property

@@ -3,13 +3,44 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import socket
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from infra.settings import Settings
 
 if TYPE_CHECKING:
     from infra.launcher import Launcher
+
+
+def free_ports(count: int = 2) -> int:
+    """A port p with p .. p + count - 1 all free, below the ephemeral range (where clients' own ports come
+    from)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 30000)
+        sockets = [socket.socket() for _ in range(count)]
+        try:
+            for i, sock in enumerate(sockets):
+                sock.bind(("127.0.0.1", port + i))
+            return port
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def private_launcher(state_dir: Path, brokers: int = 1) -> "Launcher":
+    """A launcher for a stack of its own: one block of free ports, Kafka's nodes first (two ports each), then
+    MinIO's API and console, so no server of the stack can take another's port."""
+    from infra.launcher import Launcher
+
+    port = free_ports(2 * brokers + 2)
+    return Launcher(state_dir=state_dir, kafka_port=port, minio_port=port + 2 * brokers, brokers=brokers)
 
 
 def docker_engine_answers() -> bool:

@@ -15,7 +15,6 @@ generate and the learner trains.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import signal
@@ -44,17 +43,15 @@ from producers.policy import make_backend  # noqa: E402
 from producers.sandbox_runner import SandboxCodeRunner  # noqa: E402
 from producers.settings import WorkerSettings  # noqa: E402
 from producers.tasks import TaskMixer, load_source  # noqa: E402
-from schemas import environments  # noqa: E402
 from schemas.models import tiny_llama_config  # noqa: E402
 from schemas.records import RolloutEvent, SourcePosition, Trajectory  # noqa: E402
 from schemas.topics import Topics  # noqa: E402
 from streams import assembly, grouping  # noqa: E402
 from streams.scoring import Scorer  # noqa: E402
 from tests.benchmarks.report import Figure, record, scratch  # noqa: E402
-from tests.environment_package import install  # noqa: E402
+from tests.environment_package import install, on_path  # noqa: E402
 
 GROUP, PROMPTS, NEW_TOKENS, LAYERS, WIDTH, BATCH = 8, 4, 6, 4, 256, 64
-CHECKER_S = "TRAJPIPE_EXAMPLE_CHECKER_S"
 
 
 @dataclass(frozen=True)
@@ -67,9 +64,8 @@ class Workload:
 def remote_checker(checker_s: float) -> Workload:
     """vowels-remote, its package installed into a private directory that every process gets on its path."""
     site = install(Path(tempfile.mkdtemp(prefix="bench-e2e-site-")))
-    sys.path.insert(0, str(site))
-    importlib.invalidate_caches()
-    environments._entry_points.cache_clear()
+    on_path(site)
+    from trajpipe_example_env import CHECKER_S
     # Four rollout workers: they spend most of a step waiting on the checker, which costs no CPU.
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
     return Workload("env:vowels-remote", 4, {CHECKER_S: str(checker_s), "PYTHONPATH": path})

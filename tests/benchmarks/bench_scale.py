@@ -30,7 +30,7 @@ from infra.bootstrap import bootstrap, topic_config  # noqa: E402
 from infra.launcher import Launcher  # noqa: E402
 from tests.benchmarks.bench_codec import through_broker  # noqa: E402
 from tests.benchmarks.bench_streams import throughput  # noqa: E402
-from tests.integration.test_launcher import free_port_pair  # noqa: E402
+from tests.stack import private_launcher  # noqa: E402
 from tests.benchmarks.report import Figure, record, scratch  # noqa: E402
 
 
@@ -105,8 +105,7 @@ def main() -> int:
     streams: list[dict[str, float]] = []
     for brokers in (1, 3):
         with tempfile.TemporaryDirectory(prefix="trajpipe-scale-") as state:
-            launcher = Launcher(state_dir=Path(state), kafka_port=free_port_pair(2 * brokers),
-                                minio_port=free_port_pair(), brokers=brokers)
+            launcher = private_launcher(Path(state), brokers=brokers)
             try:
                 launcher.up()
                 rows.append((brokers, *through(launcher, args.events)))

@@ -30,7 +30,7 @@ from schemas.records import (
     Trajectory,
 )
 from schemas.topics import Topics
-from tests.integration.test_launcher import free_port_pair
+from tests.stack import private_launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ["--layers", "2", "--width", "64"]
@@ -48,8 +48,7 @@ class PipelineRun:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.launcher = Launcher(state_dir=self.root / "stack", kafka_port=free_port_pair(2 * self.brokers),
-                                 minio_port=free_port_pair(), brokers=self.brokers)
+        self.launcher = private_launcher(self.root / "stack", brokers=self.brokers)
         self.launcher.up()
         self.settings = self.launcher.settings()
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import random
 import socket
 from pathlib import Path
 
@@ -10,27 +9,9 @@ import pytest
 
 from infra.launcher import Launcher, _alive, read_pid
 from schemas.errors import InfraError
+from tests.stack import private_launcher
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def free_port_pair(count: int = 2) -> int:
-    """A port p with p .. p + count - 1 all free, below the ephemeral range (where clients' own ports come
-    from): a server and its controller or console port, or count/2 Kafka nodes."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 30000)
-        sockets = [socket.socket() for _ in range(count)]
-        try:
-            for i, sock in enumerate(sockets):
-                sock.bind(("127.0.0.1", port + i))
-            return port
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 def processes_using(path: Path) -> list[int]:
@@ -46,7 +27,7 @@ def processes_using(path: Path) -> list[int]:
 
 
 def test_up_twice_is_a_noop_and_down_leaves_no_process(tmp_path: Path) -> None:
-    launcher = Launcher(state_dir=tmp_path / "state", kafka_port=free_port_pair(), minio_port=free_port_pair())
+    launcher = private_launcher(tmp_path / "state")
     try:
         assert launcher.up() == {"kafka": "started", "minio": "started"}
         pids = (read_pid(launcher.kafka.pid_file), read_pid(launcher.minio.pid_file))
@@ -78,7 +59,7 @@ def test_a_taken_port_is_a_clear_error(tmp_path: Path) -> None:
 def test_the_test_stack_stops_the_servers_it_started_and_leaves_running_ones_alone(tmp_path: Path) -> None:
     from tests.stack import launcher_stack
 
-    launcher = Launcher(state_dir=tmp_path / "stack", kafka_port=free_port_pair(), minio_port=free_port_pair())
+    launcher = private_launcher(tmp_path / "stack")
     with launcher_stack(launcher) as settings:  # nothing ran: it starts both
         assert all(s["ready"] for s in launcher.status().values())
         assert settings.kafka_bootstrap.endswith(str(launcher.kafka_port))
@@ -103,7 +84,7 @@ def test_the_first_committed_offsets_asked_of_a_fresh_broker_wait_for_its_group_
     from schemas.topics import Topics
     from tests.taps import episode, produce
 
-    launcher = Launcher(state_dir=tmp_path / "fresh", kafka_port=free_port_pair(), minio_port=free_port_pair())
+    launcher = private_launcher(tmp_path / "fresh")
     try:
         launcher.up()
         settings = launcher.settings()

@@ -14,7 +14,6 @@ import torch
 
 from infra.bootstrap import bootstrap
 from infra.kafka import Publisher, read_topic
-from infra.launcher import Launcher
 from infra.objectstore import ObjectStore
 from infra.settings import Settings
 from producers.checkpoints import WEIGHTS_FILE, CheckpointFollower
@@ -36,7 +35,7 @@ from schemas.records import (
 )
 from schemas.topics import Topics
 from streams.outbox import KafkaOutbox
-from tests.integration.test_launcher import free_port_pair
+from tests.stack import private_launcher
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,7 +96,7 @@ def test_a_worker_produces_complete_ordered_episodes_for_all_three_domains(stack
 
 @pytest.mark.slow
 def test_killing_the_broker_mid_run_loses_no_event(tmp_path: Path) -> None:
-    launcher = Launcher(state_dir=tmp_path / "stack", kafka_port=free_port_pair(), minio_port=free_port_pair())
+    launcher = private_launcher(tmp_path / "stack")
     launcher.up()
     try:
         own = launcher.settings()

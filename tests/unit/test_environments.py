@@ -3,7 +3,6 @@ and found through its entry points: tasks, the held-out split, its verifier and 
 rewards, and what happens when it is missing, broken or too new."""
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 import threading
@@ -26,7 +25,7 @@ from schemas.tasks import decode_task_spec, is_domain
 from streams import rewards
 from streams.rewards import get_reward_fn
 from streams.validation import validate
-from tests.environment_package import install
+from tests.environment_package import install, off_path, on_path
 from tests.streams_data import Episode, events_of
 from tests.unit.test_rewards import traj, turn
 from tests.unit.test_terminal import ScriptedPolicy
@@ -50,12 +49,10 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def site(installed: Path) -> Iterator[Path]:
     """The package installed: its directory on the path, for this test only."""
-    path = installed
-    sys.path.insert(0, str(path))
-    importlib.invalidate_caches()
     forget()
-    yield path
-    sys.path.remove(str(path))
+    on_path(installed)
+    yield installed
+    off_path(installed)
     forget()
 
 
@@ -119,7 +116,9 @@ def test_a_verifier_that_raises_or_answers_nonsense_and_a_task_too_new_are_rewar
 def test_a_turns_feedback_calls_are_made_at_once(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """vowels-remote's checker is a remote service: the worker waits for its replies together, not one
     episode after another. Here each reply comes only once every episode of the turn has asked."""
-    monkeypatch.setenv("TRAJPIPE_EXAMPLE_CHECKER_S", "0")
+    from trajpipe_example_env import CHECKER_S
+
+    monkeypatch.setenv(CHECKER_S, "0")
     task = EnvironmentSource("vowels-remote", seed=0)[0]
     word = task.spec["word"]
     assert feedback(task, str(vowels(word) + 1)) == " wrong, try again:" and feedback(task, str(vowels(word))) is None

@@ -1,5 +1,6 @@
 """Waiting for a local server to start: a server still working (its log growing) is waited for, a stalled one
-is given up on with the end of its log; where the servers keep their state is a setting."""
+is given up on with the end of its log; where the servers keep their state is a setting; the servers' ports must
+not overlap."""
 from __future__ import annotations
 
 import subprocess
@@ -69,3 +70,19 @@ def test_the_state_dir_is_a_setting_that_keeps_the_download_cache(tmp_path: Path
         monkeypatch.setenv(name, value)
     launcher = Launcher()
     assert launcher.state == state and launcher.root == tmp_path / "cache" and launcher.brokers == 3
+
+
+@pytest.mark.parametrize("brokers, minio", [(1, 30001), (3, 30005), (3, 29999), (1, 29999)])
+def test_ports_that_overlap_are_refused_before_anything_starts(tmp_path: Path, brokers: int, minio: int) -> None:
+    """Kafka's nodes take two ports each from TRAJPIPE_KAFKA_PORT, MinIO two from its own: a MinIO port among
+    Kafka's would be "taken by another process" only after Kafka started, a misleading error at the wrong time."""
+    with pytest.raises(InfraError, match=f"MinIO's ports {minio}..{minio + 1} overlap Kafka's 30000..{30000 + 2 * brokers - 1}"):
+        Launcher(state_dir=tmp_path / "state", kafka_port=30000, minio_port=minio, brokers=brokers)
+    assert not (tmp_path / "state").exists()
+
+
+def test_ports_side_by_side_are_accepted(tmp_path: Path) -> None:
+    launcher = Launcher(state_dir=tmp_path / "state", kafka_port=30000, minio_port=30006, brokers=3)
+    assert [n.port for n in launcher.kafka_nodes] == [30000, 30002, 30004] and launcher.minio.port == 30006
+    with pytest.raises(InfraError, match=r"Kafka needs ports 65534..65537, outside 1..65535"):
+        Launcher(state_dir=tmp_path / "state", kafka_port=65534, minio_port=30000, brokers=2)
