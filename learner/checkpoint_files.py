@@ -1,5 +1,8 @@
 """The checkpoint directory as bytes in memory: safetensors weights and optimizer state, JSON config and state.
 
+A checkpoint written with `moments=False` has no optimizer files: its weights serve rollout workers, eval
+and export; a learner resumes from the newest version that has them (see learner.service).
+
 No pickle: tensors go to safetensors, everything else to JSON. The directory loads with
 `AutoModelForCausalLM.from_pretrained(dir)` once written to disk.
 
@@ -13,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
@@ -29,6 +32,8 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 OPTIMIZER_META_FILE = "optimizer.json"
 TRAINER_STATE_FILE = "trainer_state.json"
 CHECKPOINT_FILES = (MODEL_FILE, CONFIG_FILE, OPTIMIZER_FILE, OPTIMIZER_META_FILE, TRAINER_STATE_FILE)
+REQUIRED_FILES = (MODEL_FILE, CONFIG_FILE, TRAINER_STATE_FILE)
+MOMENT_FILES = (OPTIMIZER_FILE, OPTIMIZER_META_FILE)
 
 
 @dataclass(frozen=True)
@@ -41,8 +46,15 @@ class OptimizerState:
 class CheckpointState:
     model: dict[str, Tensor]
     model_config: dict[str, Any]
-    optimizer: OptimizerState
+    optimizer: OptimizerState | None  # None: a weights-only version
     trainer: dict[str, Any]
+
+    def moments(self) -> OptimizerState:
+        """The optimizer state, which a resume needs; CheckpointError for a weights-only version."""
+        if self.optimizer is None:
+            raise CheckpointError("this version carries no optimizer state (written weights-only, --moments-every): "
+                                  "resume from a version that does")
+        return self.optimizer
 
 
 def model_tensors(model: nn.Module) -> dict[str, Tensor]:
@@ -102,25 +114,35 @@ def _json(doc: Any) -> bytes:
         raise CheckpointError(f"checkpoint metadata is not JSON-serialisable: {exc}") from exc
 
 
-def write_checkpoint(state: CheckpointState) -> dict[str, bytes]:
-    """The five files of a checkpoint directory, as bytes."""
-    return {
+def write_checkpoint(state: CheckpointState, moments: bool = True) -> dict[str, bytes]:
+    """The files of a checkpoint directory, as bytes: five, or three without the optimizer's moments."""
+    files = {
         # "format": "pt" is what from_pretrained expects in the safetensors header.
         MODEL_FILE: save_safetensors(state.model, metadata={"format": "pt"}),
         CONFIG_FILE: _json(state.model_config),
-        OPTIMIZER_FILE: save_safetensors(state.optimizer.tensors, metadata={"format": "pt"}),
-        OPTIMIZER_META_FILE: _json(state.optimizer.meta),
         TRAINER_STATE_FILE: _json(state.trainer),
     }
+    if moments:
+        optimizer = state.moments()
+        files[OPTIMIZER_FILE] = save_safetensors(optimizer.tensors, metadata={"format": "pt"})
+        files[OPTIMIZER_META_FILE] = _json(optimizer.meta)
+    return files
+
+
+def has_moments(names: Iterable[str]) -> bool:
+    """Whether a checkpoint of these files (or manifest entries) carries the optimizer state."""
+    return set(MOMENT_FILES) <= set(names)
 
 
 def read_checkpoint(files: Mapping[str, bytes]) -> CheckpointState:
     """Parse the files of `write_checkpoint`; a missing or unreadable file raises CheckpointError."""
-    missing = [name for name in CHECKPOINT_FILES if name not in files]
-    if missing:
-        raise CheckpointError(f"checkpoint lacks {missing}")
+    missing = [name for name in REQUIRED_FILES if name not in files]
+    half = [name for name in MOMENT_FILES if name not in files] if any(n in files for n in MOMENT_FILES) else []
+    if missing or half:
+        raise CheckpointError(f"checkpoint lacks {missing + half}")
     try:
-        optimizer = OptimizerState(load_safetensors(files[OPTIMIZER_FILE]), json.loads(files[OPTIMIZER_META_FILE]))
+        optimizer = (OptimizerState(load_safetensors(files[OPTIMIZER_FILE]), json.loads(files[OPTIMIZER_META_FILE]))
+                     if has_moments(files) else None)
         return CheckpointState(
             model=load_safetensors(files[MODEL_FILE]),
             model_config=json.loads(files[CONFIG_FILE]),

@@ -16,7 +16,7 @@ from typing import Mapping, Optional
 from infra.kafka import Publisher, read_topic
 from infra.objectstore import ObjectStore
 from infra.settings import Settings
-from learner.checkpoint_files import verify_files
+from learner.checkpoint_files import has_moments, verify_files
 from learner.settings import parse_init
 from schemas.codec import codec
 from schemas.errors import CheckpointError, DecodeError, IntegrityError, ManifestError, ObjectNotFound
@@ -103,6 +103,27 @@ def newest(settings: Settings, topics: Topics, store: ObjectStore, run: str) -> 
                               f"{topics.checkpoints} and none of them verifies in the store: restore the "
                               f"checkpoints/{run}/ objects, or start a new namespace")
     return None
+
+
+def resume_point(settings: Settings, topics: Topics, store: ObjectStore, newest: LoadedCheckpoint) -> LoadedCheckpoint:
+    """The newest announced version up to `newest` that carries the optimizer state and verifies: `newest`
+    itself, unless it was written weights-only (--moments-every)."""
+    if has_moments(newest.manifest.files):
+        return newest
+    run, version = newest.manifest.run, newest.manifest.version
+    for event in reversed([e for e in published(settings, topics) if e.run == run and e.version < version]):
+        try:
+            manifest = CheckpointManifest.from_json(store.get(event.manifest_key, sha256=event.manifest_sha256))
+        except (IntegrityError, ObjectNotFound, ManifestError):
+            continue
+        if has_moments(manifest.files):
+            try:
+                return load(store, event)
+            except CheckpointError as exc:
+                print(f"warning: {exc}; trying the version before it", file=sys.stderr, flush=True)
+    raise CheckpointError(f"v{version} of {run} is weights-only and no announced version before it carries the "
+                          f"optimizer state and verifies: restore the checkpoints/{run}/ objects, or start a new "
+                          f"namespace")
 
 
 def read_manifest(store: ObjectStore, ns: str, version: int) -> CheckpointManifest:

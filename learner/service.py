@@ -5,6 +5,11 @@
 Resume: the newest *announced* checkpoint is the truth. Its manifest records the batch-topic offsets
 after its data and the batch ids trained so far, so a crash mid-update, after a save before its
 announcement, or after the announcement before the offset commit, all restart from exactly there.
+
+With --moments-every K the versions between every K-th carry no optimizer state. A restart then resumes
+from the newest version that does and trains the batches of the versions announced after it again, in the
+order their manifests recorded (`read_order`), without announcing them again: it reaches the newest
+announced version with the same weights (on CPU bit for bit), and goes on from there.
 """
 from __future__ import annotations
 
@@ -21,7 +26,14 @@ from infra.kafka import Publisher
 from infra.objectstore import ObjectStore
 from infra.settings import Settings
 from learner import checkpoint_store, sharding
-from learner.checkpoint_files import file_entries, load_model_tensors, read_checkpoint, write_checkpoint
+from learner.checkpoint_files import (
+    file_entries,
+    has_moments,
+    load_model_tensors,
+    model_tensors,
+    read_checkpoint,
+    write_checkpoint,
+)
 from infra.faults import fault_point
 from learner.distributed import SAVE, START, STOP, TRAIN, World, join, pack, rank_device, unpack
 from learner.model import build_policy, frozen_reference
@@ -29,7 +41,7 @@ from learner.settings import SFT_LOSS_WINDOW, LearnerSettings, shaping_args
 from learner.update import Lineage, TrainConfig, Trainer
 from schemas.codec import codec
 from schemas.manifests import LEARNER_FINISHED_LINE, CheckpointManifest
-from schemas.errors import ConfigError, PipelineError
+from schemas.errors import CheckpointError, ConfigError, PipelineError
 from schemas.records import PipelineMetric, Trajectory
 
 STALE_UNFETCHED = "stale: not fetched (every turn of its batch was over --max-policy-lag versions behind)"
@@ -147,7 +159,7 @@ class PolicyHolder:
         self.model = model_from_config(state.model_config).to(self.device)
         self.version = loaded.manifest.version
         self.trainer = self.make_trainer(self.phase_algorithm(self.updates))
-        self.trainer.load_checkpoint_state(state.model, state.optimizer, state.trainer)
+        self.trainer.load_checkpoint_state(state.model, state.moments(), state.trainer)
         return state.trainer
 
     def follow_lineage(self) -> None:
@@ -231,6 +243,9 @@ class LearnerService(PolicyHolder):
         # publish_s: storing and announcing them, in the background unless --foreground-checkpoints
         self.timing = {"wait_s": 0.0, "compute_s": 0.0, "checkpoint_s": 0.0, "publish_s": 0.0, "publish_wait_s": 0.0}
         self._stop = False
+        self.published_bytes = 0  # checkpoint files stored by this process
+        self.resume_version = 0  # the newest announced version with the optimizer state: retention keeps it
+        self.replaying: list[CheckpointManifest] = []  # announced versions after it, to train again on resume
 
     # ---- resume --------------------------------------------------------------------------------
     def resume(self) -> str:
@@ -240,12 +255,70 @@ class LearnerService(PolicyHolder):
             self.checkpoint(initial=True)
             self.follow_lineage()
             return f"fresh: published {how} as v0"
+        newest = loaded.manifest.version
+        loaded = checkpoint_store.resume_point(self.platform, self.topics, self.store, loaded)
         trainer_state = self.restore(loaded)
+        self.resume_version = self.version
         self.trained_ids = list(trainer_state.get("trained_batch_ids", []))
         self.reader.seek(loaded.manifest.offsets)
         self.reader.mark_seen(self.trained_ids)
         self.follow_lineage()
-        return f"resumed v{self.version} after {self.updates} updates, at offsets {loaded.manifest.offsets}"
+        later = range(self.version + 1, newest + 1)
+        self.replaying = [checkpoint_store.read_manifest(self.store, self.s.ns, v) for v in later]
+        again = f"; v{later[0]}..v{newest} are weights-only: their batches train again" if later else ""
+        return f"resumed v{self.version} after {self.updates} updates, at offsets {loaded.manifest.offsets}{again}"
+
+    def replay(self, timeout_s: float = 120.0) -> None:
+        """Train the batches of the announced weights-only versions after the resume point again, each version's
+        in the order it read them and grouped as it trained them, and take each version as announced."""
+        for manifest in self.replaying:
+            wanted, gathered = list(manifest.read_order), []
+            while wanted:
+                deadline = time.monotonic() + timeout_s
+                batch = None
+                while batch is None and time.monotonic() < deadline:
+                    batch = self.reader.next_batch(timeout=1.0)
+                if batch is None or batch.manifest.batch_id != wanted[0]:
+                    found = "nothing" if batch is None else f"batch {batch.manifest.batch_id}"
+                    raise CheckpointError(f"training v{manifest.version} again (it is weights-only): its batch "
+                                          f"{wanted[0]} was next, {self.topics.batches} gave {found}: resume needs "
+                                          "the batches topic to keep what the versions after the resume point read")
+                gathered.append(batch)
+                wanted.pop(0)
+                if len(gathered) >= self.batches_per_update() or not wanted:
+                    self.update(gathered)
+                    self.maybe_switch_phase()
+                    gathered = []
+            self.adopt(manifest)
+        self.replaying = []
+
+    def adopt(self, manifest: CheckpointManifest) -> None:
+        """A version trained again: the same batches and update count as announced, and the announced weights."""
+        if self.pending_ids != manifest.read_order or self.updates != manifest.step:
+            raise CheckpointError(f"v{manifest.version} trained again does not match its announcement: "
+                                  f"{self.updates} updates, not {manifest.step}")
+        self.version = manifest.version
+        self.trained_ids = carried_ids(self.trained_ids, self.pending_ids)
+        self.pending_ids, self.skipped, self.untrained = [], {}, {}
+        if not self.lineage.ancestors:
+            self.reader.set_policy_version(self.version)
+        verdict = "not compared (sharded)"
+        if not sharding.is_sharded(self.trainer.model):
+            try:
+                files = checkpoint_store.load_version(self.store, self.s.ns, manifest.version).files
+            except CheckpointError as exc:
+                print(f"v{manifest.version} trained again: {exc}", file=sys.stderr, flush=True)
+                return
+            announced = read_checkpoint(files).model
+            ours = model_tensors(self.trainer.model)
+            diff = max(float((ours[k] - announced[k]).abs().max()) for k in ours)
+            verdict = "the announced weights, bit for bit"
+            if diff:
+                verdict = f"max |diff| {diff:.3g} from the announced weights, which it takes"
+                load_model_tensors(self.trainer.model, announced)
+        batches = len(manifest.read_order)
+        print(f"v{manifest.version} trained again ({batches} batch{'es' if batches != 1 else ''}, "
+              f"{self.updates} updates): {verdict}", file=sys.stderr, flush=True)
 
     def start_from_init(self) -> str:
         """--init RUN:vK: that checkpoint's weights (verified) become this run's v0, with a fresh optimizer."""
@@ -258,7 +331,7 @@ class LearnerService(PolicyHolder):
         return f"the weights of {run}:v{version}"
 
     # ---- checkpoints ---------------------------------------------------------------------------
-    def checkpoint(self, initial: bool = False) -> None:
+    def checkpoint(self, initial: bool = False, final: bool = False) -> None:
         """Write the next version's files in memory now, then store, announce and commit them: in a background
         thread that overlaps the next update (one in flight at most, so versions are announced in order), or
         here with --foreground-checkpoints. Either way a crash before the announcement resumes from the
@@ -271,10 +344,11 @@ class LearnerService(PolicyHolder):
         self.trained_ids = carried_ids(self.trained_ids, self.pending_ids)
         if sharding.is_sharded(self.trainer.model):
             self.world.send(SAVE, self.version, self.updates)
-        state = self.trainer.state_dict_for_checkpoint()
+        moments = initial or final or self.version % self.s.moments_every == 0
+        state = self.trainer.state_dict_for_checkpoint(moments=moments)
         state.trainer.update(updates=self.updates, version=self.version, trained_batch_ids=self.trained_ids,
                              learner_args=shaping_args(self.s), sft_end=self.sft_end, sft_losses=self.sft_losses)
-        files = write_checkpoint(state)
+        files = write_checkpoint(state, moments=state.optimizer is not None)
         manifest = CheckpointManifest(
             run=self.s.ns, version=self.version, step=self.updates, algorithm=self.trainer.config.algorithm,
             files=file_entries(files), offsets=offsets, batch_ids=[b for b in self.pending_ids if b not in self.skipped],
@@ -302,8 +376,9 @@ class LearnerService(PolicyHolder):
         fault_point("after_publish")
         if offsets:
             self.reader.commit(offsets)
-        self.let_go(manifest.version)
+        self.let_go(manifest.version, has_moments(files))
         self.timing["publish_s"] += time.monotonic() - started
+        self.published_bytes += sum(len(data) for data in files.values())
         print(f"checkpoint v{manifest.version} stored, announced, offsets committed ({len(manifest.batch_ids)} "
               "batches)", file=sys.stderr, flush=True)
 
@@ -317,12 +392,21 @@ class LearnerService(PolicyHolder):
                 self.publishing = None
                 self.timing["publish_wait_s"] += time.monotonic() - waited
 
-    def let_go(self, version: int) -> None:
-        """Retention (--keep-last, --keep-every): the version that just left the last K loses its files."""
-        old = checkpoint_store.prunable(version, self.s.keep_last, self.s.keep_every, {0, self.s.reference_version})
-        if old is not None:
-            freed = checkpoint_store.prune(self.store, self.s.ns, old)
-            print(f"retention: v{old}'s files deleted ({freed / 1e6:.0f} MB), its manifest kept", file=sys.stderr, flush=True)
+    def let_go(self, version: int, moments: bool) -> None:
+        """Retention (--keep-last, --keep-every): the version that just left the last K loses its files; the
+        newest version with the optimizer state (a restart resumes there) keeps them until a newer one has it."""
+        previous, keep = self.resume_version, self.s.keep_last
+        if moments:
+            self.resume_version = version
+        protected = {0, self.s.reference_version, self.resume_version}
+        olds = [checkpoint_store.prunable(version, keep, self.s.keep_every, protected)]
+        if moments and keep and previous + keep < version:  # it left the last K while a restart needed it
+            olds.append(checkpoint_store.prunable(previous + keep, keep, self.s.keep_every, protected))
+        for old in olds:
+            if old is not None:
+                freed = checkpoint_store.prune(self.store, self.s.ns, old)
+                print(f"retention: v{old}'s files deleted ({freed / 1e6:.0f} MB), its manifest kept", file=sys.stderr,
+                      flush=True)
 
     # ---- updates -------------------------------------------------------------------------------
     def checkpoint_due(self) -> bool:
@@ -412,6 +496,7 @@ class LearnerService(PolicyHolder):
         signal.signal(signal.SIGINT, self.request_stop)
         print(self.resume(), file=sys.stderr, flush=True)
         self.world.send(START, self.version, self.updates)  # the other ranks load this version from the store
+        self.replay()
         idle_since = time.monotonic()
         gathered: list[LoadedBatch] = []
         try:
@@ -430,7 +515,7 @@ class LearnerService(PolicyHolder):
             if gathered:
                 self.train_on(gathered)  # read means consumed: a stop mid-gathering still trains them once
             if any(b not in self.skipped for b in self.pending_ids):
-                self.checkpoint()  # a clean stop keeps every trained batch
+                self.checkpoint(final=True)  # a clean stop keeps every trained batch, and the moments
             self.finish_publishing()
             if self.s.max_updates is not None and self.updates >= self.s.max_updates:
                 print(f"{LEARNER_FINISHED_LINE} {self.s.max_updates} at v{self.version}", file=sys.stderr,
@@ -447,7 +532,7 @@ class LearnerService(PolicyHolder):
 
     def report(self) -> dict[str, Any]:
         return {"version": self.version, "updates": self.updates, **{k: round(v, 2) for k, v in self.timing.items()},
-                "reader": self.reader.metrics()}
+                "published_mb": round(self.published_bytes / 1e6, 1), "reader": self.reader.metrics()}
 
 
 def skip_reason(metrics: dict[str, float]) -> str:

@@ -70,6 +70,7 @@ class LearnerSettings:
     keep_last: int = 0  # retention: keep the files of the last K versions (0: keep every version)
     keep_every: int = 0  # ... and of every N-th one (0: none besides v0 and the reference)
     foreground_checkpoints: bool = False  # store+announce+commit before the next update (default: overlapping it)
+    moments_every: int = 1  # the optimizer's moments in every K-th version (and v0 and a clean stop's); others weights-only
 
     def __post_init__(self) -> None:
         Topics(self.ns)
@@ -94,6 +95,7 @@ class LearnerSettings:
             (self.keep_last == 0 or self.keep_last >= 2, "--keep-last must be 0 (keep every version) or >= 2: a "
                                                           "broken newest version falls back to the one before"),
             (self.keep_every >= 0, "--keep-every must be >= 0"),
+            (self.moments_every >= 1, "--moments-every must be >= 1 (1: every version carries the optimizer state)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -187,6 +189,12 @@ def parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
                    help="store, announce and commit each checkpoint before the next update starts (default: its "
                         "files are written in memory at once, then stored and announced by a background thread "
                         "while the next update trains; at most one in flight, same order, same resume point)")
+    p.add_argument("--moments-every", type=int, default=1, metavar="K",
+                   help="store the optimizer's moments (twice the weights' size with Adam) in every K-th version "
+                        "only, and in v0 and the version a clean stop writes; the versions between are weights-only, "
+                        "all rollout workers need. A restart resumes from the newest version with moments and "
+                        "trains the later announced versions' batches again, in the order they were read, to reach "
+                        "the newest (the same weights: on CPU bit for bit). --fsdp stores them in every version")
     p.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard weights, gradients and Adam moments over the ranks (FSDP2), for a "
                         "model that does not fit one device; checkpoints stay whole")
@@ -250,7 +258,7 @@ def from_args(argv: list[str] | None = None, env: Optional[Mapping[str, str]] = 
         clip_eps_high=a.clip_eps_high, beta=a.beta, loss_agg=a.loss_agg, lag_decay=a.lag_decay,
         sft_min_reward=a.sft_min_reward, cpu_bf16=a.cpu_bf16, fsdp=a.fsdp, device=a.device, init=a.init,
         replica_of=tuple(a.replica_of), keep_last=a.keep_last, keep_every=a.keep_every,
-        foreground_checkpoints=a.foreground_checkpoints,
+        foreground_checkpoints=a.foreground_checkpoints, moments_every=a.moments_every,
     )
 
 

@@ -455,14 +455,18 @@ class Trainer:
 
     # --- checkpoint state: flat tensors + JSON, never pickle -----------------------------------------------
 
-    def state_dict_for_checkpoint(self) -> CheckpointState:
-        """Whole weights and moments; sharded (--fsdp), every rank must call it and only rank 0's is whole."""
+    def state_dict_for_checkpoint(self, moments: bool = True) -> CheckpointState:
+        """Whole weights, and the moments unless `moments` is False; sharded (--fsdp), every rank must call it,
+        only rank 0's is whole, and the moments are always gathered (the gather is one collective per value)."""
+        optimizer: OptimizerState | None = None
         if sharding.is_sharded(self.model):
-            weights, moments = sharding.full_state(self.model, self.optimizer, self.param_names)
+            weights, state = sharding.full_state(self.model, self.optimizer, self.param_names)
+            moments = True
         else:
-            weights, moments = model_tensors(self.model), self.optimizer.state_dict()
-        optimizer = flatten_optimizer_state(moments) if moments else OptimizerState({}, {"param_groups": []})
-        optimizer.meta["param_names"] = self.param_names
+            weights, state = model_tensors(self.model), self.optimizer.state_dict() if moments else {}
+        if moments:
+            optimizer = flatten_optimizer_state(state) if state else OptimizerState({}, {"param_groups": []})
+            optimizer.meta["param_names"] = self.param_names
         return CheckpointState(
             model=weights,
             model_config=json.loads(self.model.config.to_json_string(use_diff=False)),

@@ -139,6 +139,49 @@ def test_crash_at_each_point_then_restart_trains_every_batch_exactly_once(
         torch.testing.assert_close(tensor, uninterrupted[name], rtol=0, atol=1e-6, msg=name)
 
 
+def test_weights_only_versions_resume_from_the_moments_before_them_and_end_with_the_same_weights(
+        stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
+    """--moments-every 3: v1 and v2 carry no optimizer state. Killed after announcing v2, a restart resumes
+    from v0 and trains v1's and v2's batches again (killed once more in the middle of that), in the order they
+    were read, two shards an update as they were grouped; then it goes on. The weights at the end are an
+    uninterrupted run's that stored the moments in every version."""
+    flags = ("--sft-updates", "2", "--kl-coef", "0.5", "--max-policy-lag", "100", "--rl-batches-per-update", "2")
+    published = publish_batches(stack, store, topics, 12)
+    logs = []
+    for fault in ("after_publish:3", "mid_update:3", "after_save:2"):
+        proc = run_learner(stack, topics.ns, tmp_path, fault, *flags, "--moments-every", "3")
+        assert proc.returncode == -9, f"{fault} did not fire: {proc.stderr[-2000:]}"
+        logs.append(proc.stderr)
+    proc = run_learner(stack, topics.ns, tmp_path, None, *flags, "--moments-every", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "v1..v2 are weights-only: their batches train again" in logs[1] and "resumed v0" in logs[2]
+    assert "v2 trained again (4 batches, 4 updates): the announced weights, bit for bit" in logs[2]
+    assert "resumed v3 after 6 updates" in proc.stderr and "trained again" not in proc.stderr
+
+    lineage = announced_lineage(stack, store, topics)
+    assert [m.version for m in lineage] == [0, 1, 2, 3, 4]
+    moments = [v for v, m in enumerate(lineage) if "optimizer.safetensors" in m.files]
+    assert moments == [0, 3, 4]  # v0, every third, and the clean stop's
+    weights_only = lineage[1].files
+    assert set(weights_only) == {"model.safetensors", "config.json", "trainer_state.json"}
+    assert lineage[3].files["optimizer.safetensors"].size > 1.5 * lineage[3].files["model.safetensors"].size
+    trained = [b for m in lineage for b in m.batch_ids]
+    skipped = [b for m in lineage for b in m.skipped_batches]
+    assert sorted(trained + skipped) == sorted(published)  # each once, whatever was trained again
+    assert lineage[-1].offsets == {0: 13}
+
+    calm = Topics(f"{topics.ns}-calm")
+    bootstrap(stack, calm.ns, partitions=1)
+    publish_batches(stack, store, calm, 12)
+    proc = run_learner(stack, calm.ns, tmp_path / "calm", None, *flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for v in range(5):
+        crashed, uninterrupted = final_weights(store, topics.ns, v), final_weights(store, calm.ns, v)
+        assert crashed.keys() == uninterrupted.keys()
+        for name, tensor in crashed.items():
+            torch.testing.assert_close(tensor, uninterrupted[name], rtol=0, atol=0, msg=f"v{v} {name}")
+
+
 def test_a_batch_that_trains_nothing_is_skipped_with_its_reason_and_no_version(
         stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
     published = publish_batches(stack, store, topics, 4, aborted=(1,))
@@ -426,6 +469,28 @@ def test_a_retention_keeps_the_last_versions_every_nth_and_v0_and_every_manifest
     assert proc.returncode == 0 and "resumed v8" in proc.stderr, proc.stderr[-3000:]
     kept = {v for v in range(11) if store.list(f"checkpoints/{topics.ns}/v{v}/model.safetensors")}
     assert kept == {0, 3, 6, 9, 10}
+
+
+def test_a_retention_keeps_the_newest_version_with_moments_until_a_newer_one_has_them(
+        stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
+    """--keep-last 2 --moments-every 4: v4 leaves the last two while v5 and v6 are weights-only, and a restart
+    would resume there, so it stays until v8 has moments."""
+    flags = ("--updates-per-checkpoint", "1", "--max-policy-lag", "99", "--keep-last", "2", "--moments-every", "4")
+    publish_batches(stack, store, topics, 8)
+
+    def kept() -> set[int]:
+        return {v for v in range(10) if store.list(f"checkpoints/{topics.ns}/v{v}/model.safetensors")}
+
+    proc = run_learner(stack, topics.ns, tmp_path, "after_publish:7", *flags)  # v0 is the first
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert kept() == {0, 4, 5, 6}
+    proc = run_learner(stack, topics.ns, tmp_path, None, *flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed v4 after 4 updates" in proc.stderr
+    assert "v6 trained again (1 batch, 6 updates): the announced weights, bit for bit" in proc.stderr
+    assert kept() == {0, 7, 8}
+    lineage = announced_lineage(stack, store, topics)
+    assert [v for v, m in enumerate(lineage) if "optimizer.safetensors" in m.files] == [0, 4, 8]
 
 
 def test_the_learning_rate_warms_up_over_the_first_updates_and_a_resumed_run_continues_the_ramp(

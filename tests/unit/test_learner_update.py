@@ -413,7 +413,7 @@ def test_checkpoint_resume_continues_exactly() -> None:
     trainer, trajs = _trained()
     state = read_checkpoint(write_checkpoint(trainer.state_dict_for_checkpoint()))
     resumed = Trainer(tiny_model(seed=1), TrainConfig(lr=1e-3, kl_coef=0.05), reference=trainer.reference)
-    resumed.load_checkpoint_state(state.model, state.optimizer, state.trainer)
+    resumed.load_checkpoint_state(state.model, state.moments(), state.trainer)
     assert resumed.step_count == 1
     a, b = trainer.step(trajs, current_version=1), resumed.step(trajs, current_version=1)
     assert a["loss/total"] == b["loss/total"]
@@ -437,7 +437,7 @@ def test_checkpoint_of_another_model_is_refused() -> None:
     state = read_checkpoint(write_checkpoint(trainer.state_dict_for_checkpoint()))
     other = Trainer(build_policy(layers=1, width=64, heads=4, seed=0), TrainConfig())
     with pytest.raises(CheckpointError):
-        other.load_checkpoint_state(state.model, state.optimizer)
+        other.load_checkpoint_state(state.model, state.moments())
     with pytest.raises(CheckpointError, match="lacks"):
         read_checkpoint({"model.safetensors": b""})
 
