@@ -9,7 +9,7 @@ import pytest
 
 from infra.launcher import Launcher, _alive, read_pid
 from schemas.errors import InfraError
-from tests.stack import private_launcher
+from tests.stack import free_ports, private_launcher
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -50,7 +50,7 @@ def test_a_taken_port_is_a_clear_error(tmp_path: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        launcher = Launcher(state_dir=tmp_path / "state", minio_port=port)
+        launcher = Launcher(state_dir=tmp_path / "state", kafka_port=free_ports(2), minio_port=port)
         with pytest.raises(InfraError, match=f"port {port} is taken"):
             launcher.start_minio()
     assert read_pid(launcher.minio.pid_file) is None
