@@ -137,3 +137,14 @@ def test_a_demo_started_from_a_checkpoint_hands_it_to_the_learner() -> None:
     assert "demonstrations" not in services and services["producer-0"].when == "start"
     default = {s.name: s for s in plan(apply_preset(parser().parse_args([]), []), "ns")}
     assert "--init" not in default["learner"].argv
+
+
+def test_the_pretrained_preset_stores_the_optimizer_in_every_fifth_checkpoint_only() -> None:
+    """SmolLM2's moments are 1.1 GB of its 1.6 GB checkpoint: its demo stores them every 5th version; the
+    default demo in every one. Both learner command lines parse with the learner's own parser."""
+    from learner.settings import parser as learner_parser
+
+    for argv, every in ((["--preset", "smollm2"], 5), ([], 1)):
+        learner = next(s for s in plan(apply_preset(parser().parse_args(argv), argv), "ns") if s.name == "learner")
+        assert learner.argv[learner.argv.index("--moments-every") + 1] == str(every)
+        assert learner_parser({}).parse_args(learner.argv[1:]).moments_every == every
