@@ -1,7 +1,7 @@
 """End-to-end benchmark: the streaming pipeline (every service a process) versus a synchronous in-process
 loop (generate, score, train, repeat) for the same model, tasks and number of updates.
 
-    python tests/benchmarks/bench_e2e.py [--updates 12] [--checker-s 1.0]
+    python tests/benchmarks/bench_e2e.py [--updates 12] [--repeats 3] [--checker-s 1.0]
 
 Both sides use the same code for each stage (rollout episodes, assembly, reward, group advantages,
 GRPO update); the synchronous loop calls it in turn, the pipeline overlaps it across processes.
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -52,6 +53,7 @@ from tests.benchmarks.report import Figure, record, scratch  # noqa: E402
 from tests.environment_package import install, on_path  # noqa: E402
 
 GROUP, PROMPTS, NEW_TOKENS, LAYERS, WIDTH, BATCH = 8, 4, 6, 4, 256, 64
+SERVICES = {"producers": "rollout workers", "streams": "streams", "writer": "shard writer", "learner": "learner"}
 
 
 @dataclass(frozen=True)
@@ -107,12 +109,14 @@ def synchronous(updates: int, workload: Workload, prompts: int = PROMPTS) -> dic
     scorer = Scorer.load("default", "1")
     times: dict[str, float] = defaultdict(float)
     done_at: list[float] = []
+    cpu_at_first = 0.0
     start = time.perf_counter()
     for version in range(updates):
         batch: list[Trajectory] = []
         while len(batch) < BATCH:
             events.clear()
             s = runner.run_step([mixer.next() for _ in range(prompts)])
+            times["episodes"] += s.episodes
             times["generate"] += s.generate_s
             times["sandbox"] += s.sandbox_s
             t0 = time.perf_counter()
@@ -124,10 +128,38 @@ def synchronous(updates: int, workload: Workload, prompts: int = PROMPTS) -> dic
         backend.load_weights(state, version + 1)  # the synchronous loop hands weights over in memory
         times["train"] += time.perf_counter() - t0
         done_at.append(time.perf_counter())
+        cpu_at_first = cpu_at_first or cpu_seconds_so_far()
     times["wall"] = time.perf_counter() - start
+    times["cpu_per_update_loop"] = (cpu_seconds_so_far() - cpu_at_first) / max(1, updates - 1)  # as steady()
     times["steady_per_update"] = steady(done_at)
     code.close()
     return dict(times)
+
+
+def cpu_seconds_so_far() -> float:
+    """This process's CPU time, every thread's (user + system)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def proc_cpu(pid: int) -> float:
+    """A running process's CPU seconds so far (user + system, its waited-for children's too)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def reap(proc: subprocess.Popen, timeout: float) -> float:  # type: ignore[type-arg]
+    """Wait for a service to exit; the CPU seconds it used (user + system, all its threads)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return usage.ru_utime + usage.ru_stime
+        time.sleep(0.1)
+    proc.kill()
+    raise TimeoutError(f"{proc.args} still running after {timeout:.0f} s")
 
 
 def steady(done_at: list[float]) -> float:
@@ -135,12 +167,16 @@ def steady(done_at: list[float]) -> float:
     return (done_at[-1] - done_at[0]) / max(1, len(done_at) - 1)
 
 
-def watch_updates(proc: subprocess.Popen, done_at: list[float]) -> threading.Thread:  # type: ignore[type-arg]
-    """Time each `update N` line the learner logs (its stderr), as it happens."""
+def watch_updates(proc: subprocess.Popen, done_at: list[float], procs: dict[str, subprocess.Popen],  # type: ignore[type-arg]
+                  cpu_at_first: dict[str, float]) -> threading.Thread:
+    """Time each `update N` line the learner logs (its stderr), as it happens; at the first, every service's CPU
+    seconds so far (its start-up), which the steady state leaves out."""
     def read() -> None:
         for line in proc.stderr or ():
             if line.startswith("update "):
                 done_at.append(time.perf_counter())
+                if not cpu_at_first:
+                    cpu_at_first.update({name: proc_cpu(p.pid) for name, p in procs.items()})
     thread = threading.Thread(target=read, daemon=True)
     thread.start()
     return thread
@@ -170,8 +206,9 @@ def pipeline(updates: int, settings: Settings, workload: Workload, *learner_args
                                  stderr=subprocess.PIPE if n == "learner" else subprocess.DEVNULL, text=True)
              for n, c in cmds.items()}
     done_at: list[float] = []
-    reader = watch_updates(procs["learner"], done_at)
-    procs["learner"].wait(timeout=1800)
+    cpu_at_first: dict[str, float] = {}
+    reader = watch_updates(procs["learner"], done_at, procs, cpu_at_first)
+    cpu = {"learner": reap(procs["learner"], 1800)}
     wall = time.perf_counter() - start
     reader.join(timeout=10)
     learner_out = procs["learner"].stdout.read() if procs["learner"].stdout else ""
@@ -179,7 +216,8 @@ def pipeline(updates: int, settings: Settings, workload: Workload, *learner_args
     for name, proc in procs.items():
         if name != "learner":
             proc.send_signal(signal.SIGTERM)
-            out, _ = proc.communicate(timeout=120)
+            out = proc.stdout.read() if proc.stdout else ""  # to its end: the service has closed it, exiting
+            cpu[name] = reap(proc, 120)
             if name.startswith("producer") and out.strip():
                 reports[name] = json.loads(out.strip().splitlines()[-1])
     workers = [r for n, r in reports.items() if n.startswith("producer")]
@@ -187,15 +225,29 @@ def pipeline(updates: int, settings: Settings, workload: Workload, *learner_args
     return {"wall": wall, "generate": sum(w["generate_s"] for w in workers) / len(workers),
             "sandbox": sum(w["sandbox_s"] for w in workers) / len(workers),
             "producer_paused": sum(w["paused_s"] for w in workers) / len(workers),
+            "episodes": float(sum(w["episodes"] for w in workers)),
             "train": reports["learner"]["compute_s"], "learner_waiting": reports["learner"]["wait_s"],
             "checkpoint": reports["learner"]["checkpoint_s"], "publish": reports["learner"]["publish_s"],
             "published_mb": reports["learner"]["published_mb"],
+            **cpu_per_update(cpu, cpu_at_first, len(done_at)),
             "events": float(events), "steady_per_update": steady(done_at)}
+
+
+def cpu_per_update(cpu: dict[str, float], at_first: dict[str, float], updates: int) -> dict[str, float]:
+    """CPU seconds per update after the first, in all ("cpu_per_update") and by kind of service."""
+    out: dict[str, float] = defaultdict(float)
+    for name, total in cpu.items():
+        per_update = (total - at_first.get(name, 0.0)) / max(1, updates - 1)
+        kind = name if name in SERVICES else "producers"
+        out[f"cpu_per_update_{kind}"] += per_update
+        out["cpu_per_update"] += per_update
+    return dict(out)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--updates", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=3, help="math-easy measured this many times (median reported)")
     p.add_argument("--checker-s", type=float, default=1.0,
                    help="seconds the vowels-remote checker takes to answer (0: that workload is not run)")
     args = p.parse_args()
@@ -205,36 +257,62 @@ def main() -> None:
     launcher.up()
     settings = launcher.settings()
     easy = Workload("math-easy", 2)
-    sync = synchronous(args.updates, easy)
-    pipe = pipeline(args.updates, settings, easy)
-    # Adam's moments in every 4th version only: the versions between are the weights rollout workers load.
-    light = pipeline(args.updates, settings, easy, "--moments-every", "4")
+    runs = []
+    for repeat in range(args.repeats):  # the same run scatters by ±30% here: each ratio is within one repeat
+        sync = synchronous(args.updates, easy)
+        pipe = pipeline(args.updates, settings, easy)
+        # Adam's moments in every 4th version only: the versions between are the weights rollout workers load.
+        light = pipeline(args.updates, settings, easy, "--moments-every", "4")
+        runs.append((sync, pipe, light))
+        print(f"math-easy, repeat {repeat + 1}/{args.repeats}: seconds per update synchronous "
+              f"{sync['steady_per_update']:.2f}, pipeline {pipe['steady_per_update']:.2f} "
+              f"(x{pipe['steady_per_update'] / sync['steady_per_update']:.2f}), --moments-every 4 "
+              f"{light['steady_per_update']:.2f} (x{light['steady_per_update'] / sync['steady_per_update']:.2f})",
+              flush=True)
+    ratios = sorted(p["steady_per_update"] / s["steady_per_update"] for s, p, _ in runs)
+    light_ratios = sorted(li["steady_per_update"] / s["steady_per_update"] for s, _, li in runs)
+    sync, pipe, light = next(r for r in runs if r[1]["steady_per_update"] / r[0]["steady_per_update"]
+                             == ratios[len(ratios) // 2])  # the median repeat, described in full
     print(f"tiny Llama ({LAYERS} layers, width {WIDTH}), math-easy, G={GROUP}, {BATCH} trajectories per update, "
           f"{args.updates} GRPO updates")
     print(f"synchronous loop: {sync['wall']:.1f}s wall = generate {sync['generate']:.1f}s + sandbox "
           f"{sync['sandbox']:.1f}s + score {sync['score']:.1f}s + train {sync['train']:.1f}s")
     describe(pipe)
-    ratio = pipe["steady_per_update"] / sync["steady_per_update"]
+    cpu_ratio = pipe["cpu_per_update"] / sync["cpu_per_update_loop"]
+    print(f"CPU seconds per update after the first: synchronous loop {sync['cpu_per_update_loop']:.2f}; pipeline "
+          f"{pipe['cpu_per_update']:.2f} (x{cpu_ratio:.2f}) = " + " + ".join(
+              f"{label} {pipe['cpu_per_update_' + kind]:.2f}" for kind, label in SERVICES.items()))
+    print(f"episodes generated per update: synchronous loop {sync['episodes'] / args.updates:.0f}, pipeline "
+          f"{pipe['episodes'] / args.updates:.0f}; the loop drops what a step makes beyond an update's batch")
+    ratio, light_ratio = ratios[len(ratios) // 2], light_ratios[len(light_ratios) // 2]
+    spread = ", ".join(f"x{r:.2f}" for r in ratios)
+    light_spread = ", ".join(f"x{r:.2f}" for r in light_ratios)
     print(f"ratio pipeline/synchronous wall time: {pipe['wall'] / sync['wall']:.2f}; seconds per update after the "
           f"first (start-up excluded): synchronous {sync['steady_per_update']:.2f}, pipeline "
-          f"{pipe['steady_per_update']:.2f} (x{ratio:.2f}, goal <= 1.2)")
-    light_ratio = light["steady_per_update"] / sync["steady_per_update"]
-    print(f"the same pipeline with --moments-every 4 (the optimizer state in every 4th version): "
-          f"{light['steady_per_update']:.2f} s per update (x{light_ratio:.2f}); {light['published_mb']:.0f} MB of "
+          f"{pipe['steady_per_update']:.2f} (x{ratio:.2f}, goal <= 1.2; the {len(runs)} repeats: {spread})")
+    print(f"the same pipeline with --moments-every 4 (the optimizer state in every 4th version): x{light_ratio:.2f} "
+          f"(the {len(runs)} repeats: {light_spread}); {light['published_mb']:.0f} MB of "
           f"checkpoints stored against {pipe['published_mb']:.0f} MB, in {light['publish']:.1f}s against "
           f"{pipe['publish']:.1f}s; rollout workers paused {light['producer_paused']:.1f}s")
     figures = [
         Figure("synchronous loop, wall", sync["wall"], "s"),
         Figure("streaming pipeline, wall (start-up included)", pipe["wall"], "s", pipe["wall"] / sync["wall"],
                "synchronous"),
-        Figure("seconds per update, start-up excluded", pipe["steady_per_update"], "s", ratio,
-               "synchronous", "≤ 1.2", ratio <= 1.2),
-        Figure("seconds per update, optimizer state in every 4th version (--moments-every 4)",
-               light["steady_per_update"], "s", light_ratio, "synchronous", "≤ 1.2", light_ratio <= 1.2),
+        Figure(f"seconds per update, start-up excluded (median of {len(runs)} repeats: {spread})",
+               pipe["steady_per_update"], "s", ratio, "synchronous", "≤ 1.2", ratio <= 1.2),
+        Figure(f"seconds per update, optimizer state in every 4th version (--moments-every 4; {light_spread})",
+               light_ratio * sync["steady_per_update"], "s", light_ratio, "synchronous", "≤ 1.2", light_ratio <= 1.2),
         Figure("checkpoint bytes stored, --moments-every 4", light["published_mb"], "MB",
                light["published_mb"] / max(pipe["published_mb"], 1e-9), "moments in every version"),
         Figure("learner's time storing and announcing checkpoints, --moments-every 4", light["publish"], "s",
                light["publish"] / max(pipe["publish"], 1e-9), "moments in every version"),
+        Figure("episodes generated per update, pipeline", pipe["episodes"] / args.updates, "episodes",
+               pipe["episodes"] / sync["episodes"], "synchronous"),
+        Figure("CPU seconds per update, synchronous loop", sync["cpu_per_update_loop"], "CPU-s"),
+        Figure("CPU seconds per update, pipeline", pipe["cpu_per_update"], "CPU-s", cpu_ratio, "synchronous"),
+        *(Figure(f"CPU seconds per update, pipeline: {label}", pipe["cpu_per_update_" + kind], "CPU-s",
+                 pipe["cpu_per_update_" + kind] / sync["cpu_per_update_loop"], "synchronous")
+          for kind, label in SERVICES.items()),
         Figure("learner waiting for data", 100 * pipe["learner_waiting"] / pipe["wall"], "% of the wall time"),
         Figure("rollout worker generating", 100 * pipe["generate"] / pipe["wall"], "% of the wall time"),
     ]
