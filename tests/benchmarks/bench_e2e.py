@@ -49,7 +49,7 @@ from schemas.records import RolloutEvent, SourcePosition, Trajectory  # noqa: E4
 from schemas.topics import Topics  # noqa: E402
 from streams import assembly, grouping  # noqa: E402
 from streams.scoring import Scorer  # noqa: E402
-from tests.benchmarks.report import Figure, record, scratch  # noqa: E402
+from tests.benchmarks.report import Figure, process_cpu_seconds, record, scratch  # noqa: E402
 from tests.environment_package import install, on_path  # noqa: E402
 
 GROUP, PROMPTS, NEW_TOKENS, LAYERS, WIDTH, BATCH = 8, 4, 6, 4, 256, 64
@@ -142,13 +142,6 @@ def cpu_seconds_so_far() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def proc_cpu(pid: int) -> float:
-    """A running process's CPU seconds so far (user + system, its waited-for children's too)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-
-
 def reap(proc: subprocess.Popen, timeout: float) -> float:  # type: ignore[type-arg]
     """Wait for a service to exit; the CPU seconds it used (user + system, all its threads)."""
     deadline = time.monotonic() + timeout
@@ -176,7 +169,7 @@ def watch_updates(proc: subprocess.Popen, done_at: list[float], procs: dict[str,
             if line.startswith("update "):
                 done_at.append(time.perf_counter())
                 if not cpu_at_first:
-                    cpu_at_first.update({name: proc_cpu(p.pid) for name, p in procs.items()})
+                    cpu_at_first.update({name: process_cpu_seconds(p.pid, children=True) for name, p in procs.items()})
     thread = threading.Thread(target=read, daemon=True)
     thread.start()
     return thread

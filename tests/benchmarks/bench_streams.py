@@ -39,7 +39,7 @@ from schemas.packing import pack_floats, pack_ids  # noqa: E402
 from schemas.records import Body, EpisodeEnded, PolicyTurn, RolloutEvent  # noqa: E402
 from schemas.topics import Topics  # noqa: E402
 from tests.streams_data import Episode, bodies  # noqa: E402
-from tests.benchmarks.report import Figure, record, scratch  # noqa: E402
+from tests.benchmarks.report import Figure, process_cpu_seconds, record, scratch  # noqa: E402
 
 DOMAINS = ("code", "math", "table")
 
@@ -94,11 +94,6 @@ def start_worker(settings: Settings, ns: str, log: Path) -> subprocess.Popen:  #
                             env=env, stderr=log.open("w"))
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def count(settings: Settings, topic: str) -> int:
     return sum(hi - lo for lo, hi in end_offsets(settings, topic).values())
 
@@ -142,7 +137,7 @@ def throughput(settings: Settings, args: argparse.Namespace, workers: int = 1,
     try:
         wait_for(settings, topics.trajectories, trajectories, args.timeout)
         time.sleep(2 * args.partitions)  # the last groups
-        cpu = sum(cpu_seconds(worker.pid) for worker in started)
+        cpu = sum(process_cpu_seconds(worker.pid) for worker in started)
     finally:
         for worker in started:
             worker.send_signal(signal.SIGTERM)

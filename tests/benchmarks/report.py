@@ -231,6 +231,12 @@ def _version(name: str) -> str | None:
         return None
 
 
+def process_cpu_seconds(pid: int, children: bool = False) -> float:
+    """A running process's CPU seconds so far (user + system); `children`: its waited-for children's too."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15 if children else 13]) / os.sysconf("SC_CLK_TCK")
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
