@@ -105,25 +105,42 @@ def newest(settings: Settings, topics: Topics, store: ObjectStore, run: str) -> 
     return None
 
 
-def resume_point(settings: Settings, topics: Topics, store: ObjectStore, newest: LoadedCheckpoint) -> LoadedCheckpoint:
-    """The newest announced version up to `newest` that carries the optimizer state and verifies: `newest`
-    itself, unless it was written weights-only (--moments-every)."""
-    if has_moments(newest.manifest.files):
-        return newest
-    run, version = newest.manifest.run, newest.manifest.version
-    for event in reversed([e for e in published(settings, topics) if e.run == run and e.version < version]):
+def resume_point(settings: Settings, topics: Topics, store: ObjectStore,
+                 run: str) -> Optional[tuple[LoadedCheckpoint, list[CheckpointManifest]]]:
+    """Where a restarted learner of `run` resumes: the newest announced version that carries the optimizer
+    state and verifies, and the manifests of the announced versions after it, oldest first (weights-only
+    under --moments-every, or with files that do not verify): the learner trains their batches again, and
+    stores again a version whose files do not verify. None when `run` announced nothing.
+
+    Reads the announcements once and downloads the files of the resume point only: the versions after it
+    come down once, when the learner compares them with what it trained again. A newest manifest that does
+    not verify is skipped, loudly (that version is then made anew); one below a readable version is an
+    error, since the versions after the resume point must be trained again in order."""
+    announced = [e for e in published(settings, topics) if e.run == run]
+    later: list[CheckpointManifest] = []
+    for event in reversed(announced):
         try:
             manifest = CheckpointManifest.from_json(store.get(event.manifest_key, sha256=event.manifest_sha256))
-        except (IntegrityError, ObjectNotFound, ManifestError):
+        except (IntegrityError, ObjectNotFound, ManifestError) as exc:
+            if later:
+                raise CheckpointError(f"v{event.version} of {run}: its manifest does not verify ({exc}), and "
+                                      f"v{later[-1].version} after it must be trained again from an older "
+                                      f"version: restore the checkpoints/{run}/ objects") from exc
+            print(f"warning: checkpoint v{event.version} does not verify: {exc}; trying the version before it",
+                  file=sys.stderr, flush=True)
             continue
         if has_moments(manifest.files):
             try:
-                return load(store, event)
-            except CheckpointError as exc:
+                return load(store, event), later[::-1]
+            except CheckpointError as exc:  # trained again from an older version, and stored again
                 print(f"warning: {exc}; trying the version before it", file=sys.stderr, flush=True)
-    raise CheckpointError(f"v{version} of {run} is weights-only and no announced version before it carries the "
-                          f"optimizer state and verifies: restore the checkpoints/{run}/ objects, or start a new "
-                          f"namespace")
+        later.append(manifest)
+    if announced:
+        raise CheckpointError(f"{run} announced v{announced[0].version}..v{announced[-1].version} on "
+                              f"{topics.checkpoints} and none of them verifies in the store with the optimizer "
+                              f"state a resume needs: restore the checkpoints/{run}/ objects, or start a new "
+                              "namespace")
+    return None
 
 
 def read_manifest(store: ObjectStore, ns: str, version: int) -> CheckpointManifest:

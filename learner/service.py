@@ -249,23 +249,23 @@ class LearnerService(PolicyHolder):
 
     # ---- resume --------------------------------------------------------------------------------
     def resume(self) -> str:
-        loaded = checkpoint_store.newest(self.platform, self.topics, self.store, run=self.s.ns)
-        if loaded is None:
+        point = checkpoint_store.resume_point(self.platform, self.topics, self.store, run=self.s.ns)
+        if point is None:
             how = self.start_from_init() if self.s.init_from else "the initial weights"
             self.checkpoint(initial=True)
             self.follow_lineage()
             return f"fresh: published {how} as v0"
-        newest = loaded.manifest.version
-        loaded = checkpoint_store.resume_point(self.platform, self.topics, self.store, loaded)
+        loaded, self.replaying = point
         trainer_state = self.restore(loaded)
         self.resume_version = self.version
         self.trained_ids = list(trainer_state.get("trained_batch_ids", []))
         self.reader.seek(loaded.manifest.offsets)
         self.reader.mark_seen(self.trained_ids)
         self.follow_lineage()
-        later = range(self.version + 1, newest + 1)
-        self.replaying = [checkpoint_store.read_manifest(self.store, self.s.ns, v) for v in later]
-        again = f"; v{later[0]}..v{newest} are weights-only: their batches train again" if later else ""
+        again = ""
+        if self.replaying:
+            again = (f"; v{self.replaying[0].version}..v{self.replaying[-1].version} are weights-only: their "
+                     "batches train again")
         return f"resumed v{self.version} after {self.updates} updates, at offsets {loaded.manifest.offsets}{again}"
 
     def replay(self, timeout_s: float = 120.0) -> None:
@@ -293,24 +293,28 @@ class LearnerService(PolicyHolder):
         self.replaying = []
 
     def adopt(self, manifest: CheckpointManifest) -> None:
-        """A version trained again: the same batches and update count as announced, and the announced weights."""
+        """A version trained again: the same batches and update count as announced, and the announced weights.
+        A version whose stored files do not verify any more is stored again, made from what was trained."""
         if self.pending_ids != manifest.read_order or self.updates != manifest.step:
             raise CheckpointError(f"v{manifest.version} trained again does not match its announcement: batches "
                                   f"{self.pending_ids} and {self.updates} updates, not {manifest.read_order} and "
                                   f"{manifest.step}")
+        announced = None
+        if not sharding.is_sharded(self.trainer.model):
+            try:
+                announced = read_checkpoint(checkpoint_store.load_version(self.store, self.s.ns,
+                                                                          manifest.version).files).model
+            except CheckpointError as exc:
+                print(f"v{manifest.version} trained again: {exc}; storing it again", file=sys.stderr, flush=True)
+                self.checkpoint()  # the next version is this one: its batches, update count and offsets
+                return
         self.version = manifest.version
         self.trained_ids = carried_ids(self.trained_ids, self.pending_ids)
         self.pending_ids, self.skipped, self.untrained = [], {}, {}
         if not self.lineage.ancestors:
             self.reader.set_policy_version(self.version)
         verdict = "not compared (sharded)"
-        if not sharding.is_sharded(self.trainer.model):
-            try:
-                files = checkpoint_store.load_version(self.store, self.s.ns, manifest.version).files
-            except CheckpointError as exc:
-                print(f"v{manifest.version} trained again: {exc}", file=sys.stderr, flush=True)
-                return
-            announced = read_checkpoint(files).model
+        if announced is not None:
             ours = model_tensors(self.trainer.model)
             diff = max(float((ours[k] - announced[k]).abs().max()) for k in ours)
             verdict = "the announced weights, bit for bit"

@@ -493,6 +493,59 @@ def test_a_retention_keeps_the_newest_version_with_moments_until_a_newer_one_has
     assert [v for v, m in enumerate(lineage) if "optimizer.safetensors" in m.files] == [0, 4, 8]
 
 
+class CountingStore(ObjectStore):
+    """The real store, counting the downloads of each key."""
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.downloads: dict[str, int] = {}
+
+    def get(self, key: str, sha256: str | None = None) -> bytes:
+        self.downloads[key] = self.downloads.get(key, 0) + 1
+        return super().get(key, sha256)
+
+
+def test_a_restart_below_weights_only_versions_downloads_each_once_and_stores_a_broken_one_again(
+        stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Resuming from v4 below weights-only v5 and v6 fetches v4's files to resume from, and v5's and v6's
+    weights once each, to compare with what it trains again (the newest used to come down twice: once to
+    find it, once to compare it). v5's weights, broken in the store, are stored again from what it trained."""
+    from learner.service import LearnerService
+    from learner.settings import from_args
+
+    flags = ["--updates-per-checkpoint", "1", "--max-policy-lag", "99", "--moments-every", "4"]
+    publish_batches(stack, store, topics, 8)
+    proc = run_learner(stack, topics.ns, tmp_path, "after_publish:7", *flags)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    prefix = f"checkpoints/{topics.ns}/"
+    v6 = final_weights(store, topics.ns, 6)
+    store.put(prefix + "v5/model.safetensors", b"not the weights it announced")
+    args = ["--ns", topics.ns, "--layers", "2", "--width", "64", "--idle-exit", "4", "--cache-dir",
+            str(tmp_path / "cache"), "--lr", "1e-3", *flags]
+    service = LearnerService(from_args(args, env={}), stack)
+    counting = CountingStore(stack)
+    service.store = counting
+    assert service.resume().startswith("resumed v4 after 4 updates")
+    weights = {k.removeprefix(prefix): n for k, n in counting.downloads.items() if k.endswith("model.safetensors")}
+    assert weights == {"v4/model.safetensors": 1}
+    try:
+        service.replay()
+        service.finish_publishing()
+    finally:
+        service.background.shutdown()
+        service.reader.close()
+    weights = {k.removeprefix(prefix): n for k, n in counting.downloads.items() if k.endswith("model.safetensors")}
+    assert weights == {"v4/model.safetensors": 1, "v5/model.safetensors": 1, "v6/model.safetensors": 1}
+    assert service.version == 6 and service.updates == 6
+    err = capfd.readouterr().err
+    assert "v5 trained again: checkpoint v5 of" in err and "storing it again" in err
+    assert "v6 trained again (1 batch, 6 updates): the announced weights, bit for bit" in err
+    checkpoint_store.load_version(store, topics.ns, 5)  # stored again, and it verifies
+    assert all(torch.equal(v6[k], final_weights(store, topics.ns, 6)[k]) for k in v6)
+    lineage = announced_lineage(stack, store, topics)
+    assert [m.read_order for m in lineage[5:7]] == [m.batch_ids for m in lineage[5:7]] and lineage[5].step == 5
+
+
 def test_the_learning_rate_warms_up_over_the_first_updates_and_a_resumed_run_continues_the_ramp(
         stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
     """A fresh Adam moves every weight by about the learning rate on its first steps: --warmup-updates raises
