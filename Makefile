@@ -21,7 +21,7 @@ smoke:
 	$(PY) -m infra smoke
 
 test:
-	$(PY) -m pytest -q tests/unit tests/integration tests/e2e
+	$(PY) -m pytest -q --durations=30 tests/unit tests/integration tests/e2e
 	$(PY) -m mypy
 
 unit:
