@@ -189,7 +189,7 @@ class RolloutWorker:
             self.wait_for_quota()
         if self._stop:
             return
-        budget = self.remaining_prompts()
+        budget = min(self.remaining_prompts(), self.quota_prompts())
         tasks = [self.mixer.next() for _ in range(min(self.settings.prompts_per_step, budget))]
         summary = self.runner.run_step(tasks)
         self.episodes_this_version += summary.episodes
@@ -228,6 +228,14 @@ class RolloutWorker:
             return self.settings.prompts_per_step
         left = self.settings.episodes - self.stats.episodes
         return max(1, -(-left // self.settings.group_size))
+
+    def quota_prompts(self) -> int:
+        """The prompts left of this version's quota (whole groups, at least one): the last step of a version
+        makes what is left, not a whole step beyond it."""
+        quota = self.settings.max_episodes_per_version
+        if quota is None or not self.settings.follow_checkpoints:
+            return self.settings.prompts_per_step
+        return max(1, -(-(quota - self.episodes_this_version) // self.settings.group_size))
 
     def done(self) -> bool:
         return self._stop or (self.settings.episodes is not None and self.stats.episodes >= self.settings.episodes)

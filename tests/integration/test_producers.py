@@ -267,3 +267,22 @@ def test_a_worker_that_follows_nothing_needs_a_checkpoint_or_an_explicit_opt_in(
 
     with pytest.raises(ConfigError, match="--init-checkpoint"):
         small_worker(topics.ns, stack, episodes=2).run()
+
+
+def test_a_worker_makes_exactly_its_quota_of_episodes_per_version(stack: Settings, topics: Topics,
+                                                                  store: ObjectStore,
+                                                                  capfd: pytest.CaptureFixture[str]) -> None:
+    """--max-episodes-per-version 10 with steps of 8 episodes: a step of 8, then one of the 2 left, then the
+    wait for a newer version. The last step of a version used to be a whole one: 16 episodes of v0, where
+    the learner's demand was 10, and a fleet generated up to a step a worker more than it asked for."""
+    settings = WorkerSettings(ns=topics.ns, producer_id="paced", group_size=2, max_new_tokens=4, layers=2,
+                              width=64, episodes=20, prompts_per_step=4, max_episodes_per_version=10,
+                              quota_wait_s=0.5, max_policy_lag=9)
+    worker = RolloutWorker(settings, stack)
+    base = {k: v.clone() for k, v in worker.backend.model.state_dict().items() if k != "lm_head.weight"}
+    publish_checkpoint(stack, store, topics, 0, base)
+    worker.run()
+    steps = [int(line.split(": ", 1)[1].split()[0]) for line in capfd.readouterr().err.splitlines()
+             if line.startswith("[paced] step ")]
+    assert steps == [8, 2, 8, 2] and worker.stats.episodes == 20
+    assert len(events_by_episode(stack, topics)) == 20
