@@ -262,11 +262,8 @@ class LearnerService(PolicyHolder):
         self.reader.seek(loaded.manifest.offsets)
         self.reader.mark_seen(self.trained_ids)
         self.follow_lineage()
-        again = ""
-        if self.replaying:
-            again = (f"; v{self.replaying[0].version}..v{self.replaying[-1].version} are weights-only: their "
-                     "batches train again")
-        return f"resumed v{self.version} after {self.updates} updates, at offsets {loaded.manifest.offsets}{again}"
+        return (f"resumed v{self.version} after {self.updates} updates, at offsets {loaded.manifest.offsets}"
+                f"{replay_line(self.replaying)}")
 
     def replay(self, timeout_s: float = 120.0) -> None:
         """Train the batches of the announced weights-only versions after the resume point again, each version's
@@ -540,6 +537,19 @@ class LearnerService(PolicyHolder):
     def report(self) -> dict[str, Any]:
         return {"version": self.version, "updates": self.updates, **{k: round(v, 2) for k, v in self.timing.items()},
                 "published_mb": round(self.published_bytes / 1e6, 1), "reader": self.reader.metrics()}
+
+
+def replay_line(replaying: list[CheckpointManifest]) -> str:
+    """What a resume trains again: "; v5..v6 are weights-only: their batches train again", or, where some of
+    them stored the optimizer state but their files do not verify, which ones."""
+    if not replaying:
+        return ""
+    span = f"v{replaying[0].version}..v{replaying[-1].version}"
+    broken = [f"v{m.version}" for m in replaying if has_moments(m.files)]
+    if not broken:
+        return f"; {span} are weights-only: their batches train again"
+    return (f"; {span} train their batches again: {', '.join(broken)} stored the optimizer state but "
+            "their files do not verify, the others are weights-only")
 
 
 def skip_reason(metrics: dict[str, float]) -> str:

@@ -102,3 +102,22 @@ def test_a_learner_with_default_settings_trains_long_trajectories_in_bounded_mic
     batches, _ = trainer.micro_batches([(long_trajectory(), 1.0) for _ in range(64)])
     assert sum(b.input_ids.shape[0] for b in batches) == 64
     assert max(b.input_ids.numel() for b in batches) <= settings.micro_batch_tokens == 8192
+
+
+def test_a_resume_says_which_versions_train_again_and_why() -> None:
+    """A version that stored the optimizer state but does not verify is trained again too: the resume line
+    names it, where it used to call every version after the resume point weights-only."""
+    from learner.checkpoint_files import MODEL_FILE, MOMENT_FILES
+    from learner.service import replay_line
+    from schemas.manifests import CheckpointManifest, FileEntry
+
+    def manifest(version: int, *names: str) -> CheckpointManifest:
+        return CheckpointManifest(run="r", version=version, step=version, algorithm="grpo",
+                                  files={n: FileEntry("0" * 64, 1) for n in names}, offsets={}, batch_ids=[])
+
+    assert replay_line([]) == ""
+    assert replay_line([manifest(5, MODEL_FILE), manifest(6, MODEL_FILE)]) == (
+        "; v5..v6 are weights-only: their batches train again")
+    line = replay_line([manifest(3, MODEL_FILE), manifest(4, MODEL_FILE, *MOMENT_FILES), manifest(5, MODEL_FILE)])
+    assert line == ("; v3..v5 train their batches again: v4 stored the optimizer state but their files do not "
+                    "verify, the others are weights-only")
