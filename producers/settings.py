@@ -36,6 +36,9 @@ class WorkerSettings:
     curriculum_probe: float = 0.05  # share of draws that ignore the curriculum's verdicts (retired tasks come back)
     max_episodes_per_version: int | None = None  # then wait (bounded) for a newer checkpoint: bounds staleness
     quota_wait_s: float = 60.0
+    # versions' quotas a worker may make beyond its current version's: with 1 it makes the next update's
+    # data while the learner trains on this version's (data one version older, a batch of it buffered)
+    versions_ahead: int = 0
     split: str = "train"  # train | heldout | all: held-out tasks are for evaluation only
     init_checkpoint: str | None = None  # "NS:VERSION" or "NS:latest": start from that published checkpoint
     layers: int = 4  # size of the small model when no --model-dir is given
@@ -60,6 +63,9 @@ class WorkerSettings:
             (self.backend != "vllm" or self.model_dir is not None, "--backend vllm needs --model-dir DIR"),
             (self.max_episodes_per_version is None or self.max_episodes_per_version >= self.group_size,
              "--max-episodes-per-version must be at least --group-size"),
+            (self.versions_ahead >= 0, f"--versions-ahead must be >= 0, got {self.versions_ahead}"),
+            (self.versions_ahead == 0 or self.max_episodes_per_version is not None,
+             "--versions-ahead counts in quotas: give --max-episodes-per-version too"),
             (not (self.own_weights and self.follow_checkpoints),
              "--own-weights is for a worker that does not follow checkpoints: add --no-follow"),
             (self.demonstrations >= 0, f"--demonstrations must be >= 0, got {self.demonstrations}"),
@@ -121,6 +127,10 @@ def parser() -> argparse.ArgumentParser:
                    help="episodes generated with one policy version before waiting for a newer one")
     p.add_argument("--quota-wait-s", type=float, default=60.0,
                    help="longest wait for a newer version once the quota is used (no deadlock on a stalled learner)")
+    p.add_argument("--versions-ahead", type=int, default=0,
+                   help="quotas a worker may generate beyond its current version's: with 1, the next update's data "
+                        "is made while the learner trains (a batch buffered, one version older); 0: wait for each "
+                        "version once its quota is made")
     p.add_argument("--split", default="train", choices=["train", "heldout", "all"],
                    help="which side of the stable task split to draw from (heldout: evaluation)")
     p.add_argument("--init-checkpoint", default=None, help="NS:VERSION or NS:latest, loaded and verified at start")
@@ -149,6 +159,7 @@ def from_args(argv: list[str] | None = None) -> WorkerSettings:
         follow_checkpoints=not args.no_follow, curriculum_min_attempts=args.curriculum,
         curriculum_probe=args.curriculum_probe,
         max_episodes_per_version=args.max_episodes_per_version, quota_wait_s=args.quota_wait_s,
+        versions_ahead=args.versions_ahead,
         split=args.split, init_checkpoint=args.init_checkpoint, layers=args.layers, width=args.width,
         own_weights=args.own_weights, demonstrations=args.demonstrations,
     )

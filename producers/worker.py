@@ -47,6 +47,7 @@ class WorkerStats:
     generate_s: float = 0.0
     sandbox_s: float = 0.0
     paused_s: float = 0.0
+    quota_waits: int = 0  # times its quota was used up and it waited for a newer version
     versions_loaded: list[int] = field(default_factory=list)
     # (version, seconds from its announcement to this worker generating with it), not yet published
     load_latencies: list[tuple[int, float]] = field(default_factory=list)
@@ -87,7 +88,9 @@ class RolloutWorker:
         self.runner = EpisodeRunner(self.backend, self.code_runner, self.sink.emit, settings, self.stopping,
                                     max_context=context_limit(self.backend), flush=self.sink.flush)
         self.stats = WorkerStats()
-        self.episodes_this_version = 0
+        # Episodes it may still make before it waits for a newer version (--max-episodes-per-version): a
+        # quota each version, up to --versions-ahead more of them in reserve.
+        self.credit = 0
         self._stop = False
         if settings.init_checkpoint:
             self.load_initial(platform, settings.init_checkpoint)
@@ -143,16 +146,17 @@ class RolloutWorker:
         ready = self.follower.take_ready()
         # The first checkpoint is loaded even at the same version: it replaces this worker's own init.
         if ready is not None and (ready.version > self.backend.version or not self.stats.versions_loaded):
+            previous = self.backend.version
             try:
                 self.backend.load_weights(ready.weights, ready.version)
             except CheckpointError as exc:  # verified, but made for another model: keep the weights it has
                 self.follower.refuse(f"checkpoint v{ready.version} verifies but does not fit this worker's model "
                                      f"(--model/--layers/--width must match the learner's): {exc}")
                 return
+            self.grant(ready.version - previous if self.stats.versions_loaded else None)
             self.stats.versions_loaded.append(ready.version)
             # generation with it starts now: the step that follows this call
             self.stats.load_latencies.append((ready.version, max(0.0, time.time() - ready.event.ts / 1000)))
-            self.episodes_this_version = 0
             print(f"[{self.settings.producer_id}] loaded policy v{ready.version}", file=sys.stderr, flush=True)
 
     def wait_until_fresh(self) -> None:
@@ -163,23 +167,32 @@ class RolloutWorker:
             time.sleep(0.2)
         self.stats.paused_s += time.monotonic() - started
 
+    def grant(self, versions: Optional[int]) -> None:
+        """A quota for each of `versions` newer versions (None: the first one loaded, which starts with every
+        quota it may hold), never more than 1 + --versions-ahead quotas held at once."""
+        quota = self.settings.max_episodes_per_version
+        if quota is None:
+            return
+        most = quota * (1 + self.settings.versions_ahead)
+        self.credit = most if versions is None else min(self.credit + quota * versions, most)
+
     def wait_for_quota(self) -> None:
-        """After max_episodes_per_version episodes of this version, wait (bounded) for a newer one.
+        """Once the quota of this version is made (and any held ahead), wait (bounded) for a newer one.
 
         The log would otherwise fill with rollouts the learner can only drop as stale: producers
         outrun a learner on these machines by an order of magnitude.
         """
-        quota = self.settings.max_episodes_per_version
-        if quota is None or self.episodes_this_version < quota:
+        if self.settings.max_episodes_per_version is None or self.credit > 0:
             return
         started, version = time.monotonic(), self.backend.version
+        self.stats.quota_waits += 1
         while not self._stop and self.backend.version == version:
             if time.monotonic() - started > self.settings.quota_wait_s:
+                self.grant(1)  # no newer version in time: a stalled learner must not stall the fleet forever
                 break
             self.maybe_load_checkpoint()
             time.sleep(0.2)
         self.stats.paused_s += time.monotonic() - started
-        self.episodes_this_version = 0
 
     def step(self) -> None:
         self.maybe_load_checkpoint()
@@ -192,7 +205,7 @@ class RolloutWorker:
         budget = min(self.remaining_prompts(), self.quota_prompts())
         tasks = [self.mixer.next() for _ in range(min(self.settings.prompts_per_step, budget))]
         summary = self.runner.run_step(tasks)
-        self.episodes_this_version += summary.episodes
+        self.credit -= summary.episodes
         self.stats.add(summary)
         self.progress(summary)
         self.publish_metrics(summary, self.stats.paused_s - paused)
@@ -230,12 +243,11 @@ class RolloutWorker:
         return max(1, -(-left // self.settings.group_size))
 
     def quota_prompts(self) -> int:
-        """The prompts left of this version's quota (whole groups, at least one): the last step of a version
+        """The prompts left of the quota it holds (whole groups, at least one): the last step before a wait
         makes what is left, not a whole step beyond it."""
-        quota = self.settings.max_episodes_per_version
-        if quota is None or not self.settings.follow_checkpoints:
+        if self.settings.max_episodes_per_version is None or not self.settings.follow_checkpoints:
             return self.settings.prompts_per_step
-        return max(1, -(-(quota - self.episodes_this_version) // self.settings.group_size))
+        return max(1, -(-self.credit // self.settings.group_size))
 
     def done(self) -> bool:
         return self._stop or (self.settings.episodes is not None and self.stats.episodes >= self.settings.episodes)
@@ -293,7 +305,8 @@ class RolloutWorker:
         return {"producer_id": self.settings.producer_id, "episodes": self.stats.episodes, "steps": self.stats.steps,
                 "statuses": self.stats.statuses, "tokens": self.stats.tokens, "events": self.sink.stats,
                 "generate_s": round(self.stats.generate_s, 2), "sandbox_s": round(self.stats.sandbox_s, 2),
-                "paused_s": round(self.stats.paused_s, 2), "versions_loaded": self.stats.versions_loaded,
+                "paused_s": round(self.stats.paused_s, 2), "quota_waits": self.stats.quota_waits,
+                "versions_loaded": self.stats.versions_loaded,
                 "checkpoints_refused": self.follower.refused, "curriculum_skips": dict(self.mixer.skips),
                 "curriculum_probes": self.mixer.probes, "curriculum_exhausted": self.mixer.exhausted}
 

@@ -175,7 +175,8 @@ def watch_updates(proc: subprocess.Popen, done_at: list[float], procs: dict[str,
     return thread
 
 
-def pipeline(updates: int, settings: Settings, workload: Workload, *learner_args: str) -> dict[str, float]:
+def pipeline(updates: int, settings: Settings, workload: Workload, *learner_args: str,
+             producer_args: tuple[str, ...] = ()) -> dict[str, float]:
     ns = scratch("bench-e2e-", 6)
     bootstrap(settings, ns, partitions=2)
     # One OpenMP thread per service, as the supervisor starts them (Service.threads): five processes of two
@@ -192,7 +193,7 @@ def pipeline(updates: int, settings: Settings, workload: Workload, *learner_args
                              "--prompts-per-step", str(PROMPTS), "--max-new-tokens", str(NEW_TOKENS),
                              "--max-policy-lag", "1", "--max-episodes-per-version", str(BATCH * 3 // 4),
                              "--tool-workers", str(GROUP * PROMPTS), "--producer-id", f"p{i}", "--seed", str(i),
-                             *model] for i in range(workload.producers)},
+                             *model, *producer_args] for i in range(workload.producers)},
     }
     start = time.perf_counter()
     procs = {n: subprocess.Popen([sys.executable, "-m", *c], env=env, stdout=subprocess.PIPE,
@@ -256,16 +257,22 @@ def main() -> None:
         pipe = pipeline(args.updates, settings, easy)
         # Adam's moments in every 4th version only: the versions between are the weights rollout workers load.
         light = pipeline(args.updates, settings, easy, "--moments-every", "4")
-        runs.append((sync, pipe, light))
+        # A second quota in reserve: the workers make the next update's data while the learner trains.
+        ahead = pipeline(args.updates, settings, easy, producer_args=("--versions-ahead", "1"))
+        runs.append((sync, pipe, light, ahead))
         print(f"math-easy, repeat {repeat + 1}/{args.repeats}: seconds per update synchronous "
               f"{sync['steady_per_update']:.2f}, pipeline {pipe['steady_per_update']:.2f} "
               f"(x{pipe['steady_per_update'] / sync['steady_per_update']:.2f}), --moments-every 4 "
-              f"{light['steady_per_update']:.2f} (x{light['steady_per_update'] / sync['steady_per_update']:.2f})",
-              flush=True)
-    ratios = sorted(p["steady_per_update"] / s["steady_per_update"] for s, p, _ in runs)
-    light_ratios = sorted(li["steady_per_update"] / s["steady_per_update"] for s, _, li in runs)
-    sync, pipe, light = next(r for r in runs if r[1]["steady_per_update"] / r[0]["steady_per_update"]
-                             == ratios[len(ratios) // 2])  # the median repeat, described in full
+              f"{light['steady_per_update']:.2f} (x{light['steady_per_update'] / sync['steady_per_update']:.2f}), "
+              f"--versions-ahead 1 {ahead['steady_per_update']:.2f} "
+              f"(x{ahead['steady_per_update'] / sync['steady_per_update']:.2f})", flush=True)
+    ratios = sorted(r[1]["steady_per_update"] / r[0]["steady_per_update"] for r in runs)
+    light_ratios = sorted(r[2]["steady_per_update"] / r[0]["steady_per_update"] for r in runs)
+    ahead_ratios = sorted(r[3]["steady_per_update"] / r[0]["steady_per_update"] for r in runs)
+    sync, pipe, light, _ = next(r for r in runs if r[1]["steady_per_update"] / r[0]["steady_per_update"]
+                                == ratios[len(ratios) // 2])  # the median repeat, described in full
+    ahead_ratio = ahead_ratios[len(ahead_ratios) // 2]
+    ahead = next(r[3] for r in runs if r[3]["steady_per_update"] / r[0]["steady_per_update"] == ahead_ratio)
     print(f"tiny Llama ({LAYERS} layers, width {WIDTH}), math-easy, G={GROUP}, {BATCH} trajectories per update, "
           f"{args.updates} GRPO updates")
     print(f"synchronous loop: {sync['wall']:.1f}s wall = generate {sync['generate']:.1f}s + sandbox "
@@ -287,6 +294,11 @@ def main() -> None:
           f"(the {len(runs)} repeats: {light_spread}); {light['published_mb']:.0f} MB of "
           f"checkpoints stored against {pipe['published_mb']:.0f} MB, in {light['publish']:.1f}s against "
           f"{pipe['publish']:.1f}s; rollout workers paused {light['producer_paused']:.1f}s")
+    ahead_spread = ", ".join(f"x{r:.2f}" for r in ahead_ratios)
+    print(f"the same pipeline with --versions-ahead 1 (a second quota in reserve): x{ahead_ratio:.2f} (the "
+          f"{len(runs)} repeats: {ahead_spread}); episodes per update {ahead['episodes'] / args.updates:.0f}, "
+          f"learner waiting for data {ahead['learner_waiting']:.1f}s, rollout workers paused "
+          f"{ahead['producer_paused']:.1f}s")
     figures = [
         Figure("synchronous loop, wall", sync["wall"], "s"),
         Figure("streaming pipeline, wall (start-up included)", pipe["wall"], "s", pipe["wall"] / sync["wall"],
@@ -301,6 +313,12 @@ def main() -> None:
                light["publish"] / max(pipe["publish"], 1e-9), "moments in every version"),
         Figure("episodes generated per update, pipeline", pipe["episodes"] / args.updates, "episodes",
                pipe["episodes"] / sync["episodes"], "synchronous"),
+        Figure(f"seconds per update, workers a quota ahead (--versions-ahead 1; {ahead_spread})",
+               ahead_ratio * sync["steady_per_update"], "s", ahead_ratio, "synchronous", "≤ 1.2", ahead_ratio <= 1.2),
+        Figure("episodes generated per update, --versions-ahead 1", ahead["episodes"] / args.updates, "episodes",
+               ahead["episodes"] / sync["episodes"], "synchronous"),
+        Figure("learner waiting for data, --versions-ahead 1", 100 * ahead["learner_waiting"] / ahead["wall"],
+               "% of the wall time"),
         Figure("CPU seconds per update, synchronous loop", sync["cpu_per_update_loop"], "CPU-s"),
         Figure("CPU seconds per update, pipeline", pipe["cpu_per_update"], "CPU-s", cpu_ratio, "synchronous"),
         *(Figure(f"CPU seconds per update, pipeline: {label}", pipe["cpu_per_update_" + kind], "CPU-s",

@@ -286,3 +286,42 @@ def test_a_worker_makes_exactly_its_quota_of_episodes_per_version(stack: Setting
              if line.startswith("[paced] step ")]
     assert steps == [8, 2, 8, 2] and worker.stats.episodes == 20
     assert len(events_by_episode(stack, topics)) == 20
+
+
+def test_a_worker_a_version_ahead_holds_a_second_quota_and_waits_only_when_both_are_made(
+        stack: Settings, topics: Topics, store: ObjectStore) -> None:
+    """--versions-ahead 1 with a quota of 8: the first version loaded gives 16 episodes without a wait, each
+    newer one 8 more, a jump of three versions refills to 16 and no further; the one wait is for a version
+    that never came (1 s here). Without the reserve the same steps wait three times."""
+    settings = WorkerSettings(ns=topics.ns, producer_id="ahead", group_size=2, max_new_tokens=4, layers=2,
+                              width=64, prompts_per_step=4, max_episodes_per_version=8, versions_ahead=1,
+                              quota_wait_s=1.0, max_policy_lag=9)
+    worker = RolloutWorker(settings, stack)
+    base = {k: v.clone() for k, v in worker.backend.model.state_dict().items() if k != "lm_head.weight"}
+
+    def publish(*versions: int) -> None:
+        for v in versions:
+            publish_checkpoint(stack, store, topics, v, {k: (t + v).contiguous() for k, t in base.items()})
+        deadline = time.monotonic() + 60
+        while worker.follower.latest_published < versions[-1] and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    publish_checkpoint(stack, store, topics, 0, base)
+    worker.follower.start()
+    try:
+        worker.wait_for_published_weights()
+        credits = []
+        for versions in [(), (), (1,), (2, 3, 4), (), ()]:
+            if versions:
+                publish(*versions)
+            worker.step()
+            credits.append((worker.backend.version, worker.credit))
+    finally:
+        worker.follower.stop()
+        worker.sink.close()
+        worker.metrics_out.close()
+        worker.code_runner.close()
+    assert credits == [(0, 8), (0, 0), (1, 0), (4, 8), (4, 0), (4, 0)]
+    assert worker.stats.quota_waits == 1
+    started = Counter(events[0][2].policy_version for events in events_by_episode(stack, topics).values())
+    assert started == {0: 16, 1: 8, 4: 24}
