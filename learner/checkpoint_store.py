@@ -154,6 +154,18 @@ def load_version(store: ObjectStore, ns: str, version: int) -> LoadedCheckpoint:
     prefix = checkpoint_prefix(ns, version)
     try:
         manifest = read_manifest(store, ns, version)
+    except ObjectNotFound as exc:
+        raise CheckpointError(f"checkpoint v{version} of {ns} is not in the store (a retention of its learner, "
+                              f"--keep-last/--keep-every, may have let it go): {exc}") from exc
+    except (IntegrityError, ManifestError) as exc:
+        raise CheckpointError(f"checkpoint v{version} of {ns} does not verify: {exc}") from exc
+    return load_files(store, ns, manifest)
+
+
+def load_files(store: ObjectStore, ns: str, manifest: CheckpointManifest) -> LoadedCheckpoint:
+    """The files of a manifest already read (and verified against its announcement), each verified."""
+    version, prefix = manifest.version, checkpoint_prefix(ns, manifest.version)
+    try:
         files = {name: store.get(prefix + name, sha256=entry.sha256) for name, entry in manifest.files.items()}
         verify_files(files, manifest.files)
     except ObjectNotFound as exc:

@@ -299,8 +299,8 @@ class LearnerService(PolicyHolder):
         announced = None
         if not sharding.is_sharded(self.trainer.model):
             try:
-                announced = read_checkpoint(checkpoint_store.load_version(self.store, self.s.ns,
-                                                                          manifest.version).files).model
+                # its manifest, read and verified against the announcement by resume_point: not read again
+                announced = read_checkpoint(checkpoint_store.load_files(self.store, self.s.ns, manifest).files).model
             except CheckpointError as exc:
                 print(f"v{manifest.version} trained again: {exc}; storing it again", file=sys.stderr, flush=True)
                 self.checkpoint()  # the next version is this one: its batches, update count and offsets

@@ -509,7 +509,7 @@ def test_a_restart_below_weights_only_versions_downloads_each_once_and_stores_a_
         stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """Resuming from v4 below weights-only v5 and v6 fetches v4's files to resume from, and v5's and v6's
     weights once each, to compare with what it trains again (the newest used to come down twice: once to
-    find it, once to compare it). v5's weights, broken in the store, are stored again from what it trained."""
+    find it, once to compare it), and their manifests once, read to resume (the comparison read them again). v5's weights, broken in the store, are stored again from what it trained."""
     from learner.service import LearnerService
     from learner.settings import from_args
 
@@ -536,6 +536,8 @@ def test_a_restart_below_weights_only_versions_downloads_each_once_and_stores_a_
         service.reader.close()
     weights = {k.removeprefix(prefix): n for k, n in counting.downloads.items() if k.endswith("model.safetensors")}
     assert weights == {"v4/model.safetensors": 1, "v5/model.safetensors": 1, "v6/model.safetensors": 1}
+    manifests = {k.removeprefix(prefix): n for k, n in counting.downloads.items() if k.endswith("manifest.json")}
+    assert manifests["v5/manifest.json"] == manifests["v6/manifest.json"] == 1  # read to resume, not again
     assert service.version == 6 and service.updates == 6
     err = capfd.readouterr().err
     assert "v5 trained again: checkpoint v5 of" in err and "storing it again" in err
