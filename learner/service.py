@@ -359,7 +359,7 @@ class LearnerService(PolicyHolder):
             model_config=state.model_config, created_ts=int(time.time() * 1000), skipped_batches=dict(self.skipped),
             base_model=self.s.model_dir or "", untrained=dict(self.untrained),
             init_from=f"{self.s.init_from[0]}:v{self.s.init_from[1]}" if self.s.init_from and initial else "",
-            read_order=list(self.pending_ids))
+            read_order=list(self.pending_ids), next_batches=self.next_version_batches())
         self.pending_ids = []
         self.skipped = {}
         self.untrained = {}
@@ -413,18 +413,30 @@ class LearnerService(PolicyHolder):
                       flush=True)
 
     # ---- updates -------------------------------------------------------------------------------
-    def checkpoint_due(self) -> bool:
+    def checkpoint_due(self, updates: Optional[int] = None) -> bool:
         """Every --updates-per-checkpoint updates; during SFT every --sft-updates-per-checkpoint, since no
         rollout worker waits for those versions; and always at the end of the SFT phase."""
-        if self.updates == self.sft_updates():
+        updates = self.updates if updates is None else updates
+        if updates == self.sft_updates():
             return True
-        every = self.s.sft_updates_per_checkpoint if self.updates < self.sft_updates() else self.s.updates_per_checkpoint
-        return self.updates % (every or self.s.updates_per_checkpoint) == 0
+        every = self.s.sft_updates_per_checkpoint if updates < self.sft_updates() else self.s.updates_per_checkpoint
+        return updates % (every or self.s.updates_per_checkpoint) == 0
 
-    def batches_per_update(self) -> int:
+    def batches_per_update(self, updates: Optional[int] = None) -> int:
         """Shards merged into one update: 1 while imitating, --rl-batches-per-update for policy gradients
         (their estimate is noisy; more groups per step is what made RL raise held-out success here)."""
-        return 1 if self.phase_algorithm(self.updates) == "sft" else self.s.rl_batches_per_update
+        sft = self.phase_algorithm(self.updates if updates is None else updates) == "sft"
+        return 1 if sft else self.s.rl_batches_per_update
+
+    def next_version_batches(self) -> int:
+        """The batches the next version trains on (when none is skipped): what its checkpoint tells rollout
+        workers the learner still needs, so that they wait only while it has them."""
+        updates, needed = self.updates, 0
+        while True:
+            needed += self.batches_per_update(updates)
+            updates += 1
+            if self.checkpoint_due(updates) or (self.s.max_updates is not None and updates >= self.s.max_updates):
+                return needed
 
     def update(self, batches: list[LoadedBatch]) -> dict[str, float]:
         self.maybe_switch_phase()

@@ -34,6 +34,7 @@ class VerifiedCheckpoint:
     version: int
     weights: dict[str, Any]  # tensor name -> tensor, loaded from verified safetensors bytes
     event: CheckpointPublished
+    manifest: CheckpointManifest  # verified: its batch offsets and next_batches say what the learner still needs
 
 
 def fetch_verified(store: ObjectStore, event: CheckpointPublished) -> VerifiedCheckpoint:
@@ -51,7 +52,7 @@ def fetch_verified(store: ObjectStore, event: CheckpointPublished) -> VerifiedCh
         data = store.get(event.prefix + WEIGHTS_FILE, sha256=entry.sha256)
     except (IntegrityError, ManifestError, ObjectStoreError) as exc:
         raise CheckpointError(f"checkpoint v{event.version} refused: {exc}") from exc
-    return VerifiedCheckpoint(event.version, load_safetensors(data), event)
+    return VerifiedCheckpoint(event.version, load_safetensors(data), event, manifest)
 
 
 def find_announcement(settings: Settings, topics: Topics, version: Optional[int]) -> CheckpointPublished:

@@ -39,6 +39,10 @@ class WorkerSettings:
     # versions' quotas a worker may make beyond its current version's: with 1 it makes the next update's
     # data while the learner trains on this version's (data one version older, a batch of it buffered)
     versions_ahead: int = 0
+    # Once its quotas are made, a worker waits for a newer version only while the learner holds the batches that
+    # version needs; when it is short, after this long (for the batches of episodes already made to arrive) the
+    # worker makes another step. None: a fixed quota, the wait ends only with a version or --quota-wait-s.
+    demand_settle_s: float | None = 4.0
     split: str = "train"  # train | heldout | all: held-out tasks are for evaluation only
     init_checkpoint: str | None = None  # "NS:VERSION" or "NS:latest": start from that published checkpoint
     layers: int = 4  # size of the small model when no --model-dir is given
@@ -64,6 +68,8 @@ class WorkerSettings:
             (self.max_episodes_per_version is None or self.max_episodes_per_version >= self.group_size,
              "--max-episodes-per-version must be at least --group-size"),
             (self.versions_ahead >= 0, f"--versions-ahead must be >= 0, got {self.versions_ahead}"),
+            (self.demand_settle_s is None or self.demand_settle_s >= 0,
+             f"--demand-settle-s must be >= 0, got {self.demand_settle_s}"),
             (self.versions_ahead == 0 or self.max_episodes_per_version is not None,
              "--versions-ahead counts in quotas: give --max-episodes-per-version too"),
             (not (self.own_weights and self.follow_checkpoints),
@@ -131,6 +137,12 @@ def parser() -> argparse.ArgumentParser:
                    help="quotas a worker may generate beyond its current version's: with 1, the next update's data "
                         "is made while the learner trains (a batch buffered, one version older); 0: wait for each "
                         "version once its quota is made")
+    p.add_argument("--demand-settle-s", type=float, default=4.0,
+                   help="once the quota is made, wait for a newer version only while the learner holds the batches "
+                        "it needs for it (its checkpoint says how many); when it is short after this many seconds "
+                        "(longer than a batch takes to form), make another step")
+    p.add_argument("--fixed-quota", action="store_true",
+                   help="ignore the learner's demand: after the quota, wait for a newer version or --quota-wait-s")
     p.add_argument("--split", default="train", choices=["train", "heldout", "all"],
                    help="which side of the stable task split to draw from (heldout: evaluation)")
     p.add_argument("--init-checkpoint", default=None, help="NS:VERSION or NS:latest, loaded and verified at start")
@@ -159,7 +171,7 @@ def from_args(argv: list[str] | None = None) -> WorkerSettings:
         follow_checkpoints=not args.no_follow, curriculum_min_attempts=args.curriculum,
         curriculum_probe=args.curriculum_probe,
         max_episodes_per_version=args.max_episodes_per_version, quota_wait_s=args.quota_wait_s,
-        versions_ahead=args.versions_ahead,
+        versions_ahead=args.versions_ahead, demand_settle_s=None if args.fixed_quota else args.demand_settle_s,
         split=args.split, init_checkpoint=args.init_checkpoint, layers=args.layers, width=args.width,
         own_weights=args.own_weights, demonstrations=args.demonstrations,
     )

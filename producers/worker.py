@@ -18,6 +18,7 @@ from infra.metrics import Metrics, publish
 from infra.objectstore import ObjectStore
 from infra.settings import Settings
 from producers.checkpoints import CheckpointFollower, fetch_verified, find_announcement
+from producers.demand import LearnerDemand
 from producers.demonstrations import DemonstrationBackend, DemonstrationRunner, publish_demonstrations
 from producers.episodes import EpisodeRunner, StepSummary
 from producers.feeds import TaskStatsFollower
@@ -32,6 +33,7 @@ from producers.tasks.reasoning_gym import expand
 from producers.tasks.sources import seeded_source
 from producers.tasks.split import SplitSource
 from schemas.errors import CheckpointError, ConfigError
+from schemas.manifests import CheckpointManifest
 from schemas.models import tiny_llama_config
 from schemas.topics import Topics
 
@@ -48,6 +50,7 @@ class WorkerStats:
     sandbox_s: float = 0.0
     paused_s: float = 0.0
     quota_waits: int = 0  # times its quota was used up and it waited for a newer version
+    demand_steps: int = 0  # of those waits, the ones it ended with another step because the learner was short
     versions_loaded: list[int] = field(default_factory=list)
     # (version, seconds from its announcement to this worker generating with it), not yet published
     load_latencies: list[tuple[int, float]] = field(default_factory=list)
@@ -84,6 +87,8 @@ class RolloutWorker:
         self.code_runner = (SandboxCodeRunner(settings.sandbox, settings.sandbox_workers) if needs_sandbox
                             else NoCodeRunner())
         self.follower = CheckpointFollower(platform, settings.topics, self.store)
+        self.demand = LearnerDemand(platform, settings.topics)
+        self.manifest: Optional[CheckpointManifest] = None  # of the version it generates with
         self.task_feed = TaskStatsFollower(platform, settings.topics, self.mixer.stats)
         self.runner = EpisodeRunner(self.backend, self.code_runner, self.sink.emit, settings, self.stopping,
                                     max_context=context_limit(self.backend), flush=self.sink.flush)
@@ -154,6 +159,7 @@ class RolloutWorker:
                                      f"(--model/--layers/--width must match the learner's): {exc}")
                 return
             self.grant(ready.version - previous if self.stats.versions_loaded else None)
+            self.manifest = ready.manifest
             self.stats.versions_loaded.append(ready.version)
             # generation with it starts now: the step that follows this call
             self.stats.load_latencies.append((ready.version, max(0.0, time.time() - ready.event.ts / 1000)))
@@ -177,22 +183,39 @@ class RolloutWorker:
         self.credit = most if versions is None else min(self.credit + quota * versions, most)
 
     def wait_for_quota(self) -> None:
-        """Once the quota of this version is made (and any held ahead), wait (bounded) for a newer one.
+        """Once the quota of this version is made (and any held ahead), wait (bounded) for a newer one, but
+        only while the learner has the batches that version needs.
 
         The log would otherwise fill with rollouts the learner can only drop as stale: producers
-        outrun a learner on these machines by an order of magnitude.
+        outrun a learner on these machines by an order of magnitude. A fixed quota alone stalls the other way:
+        once most groups teach nothing (all right) and are dropped upstream, a quota no longer fills an update
+        and the worker waited for a version the learner could not make.
         """
         if self.settings.max_episodes_per_version is None or self.credit > 0:
             return
         started, version = time.monotonic(), self.backend.version
         self.stats.quota_waits += 1
         while not self._stop and self.backend.version == version:
-            if time.monotonic() - started > self.settings.quota_wait_s:
+            waited = time.monotonic() - started
+            if waited > self.settings.quota_wait_s:
                 self.grant(1)  # no newer version in time: a stalled learner must not stall the fleet forever
+                break
+            if self.learner_short(waited):
+                self.stats.demand_steps += 1
+                self.credit = self.settings.prompts_per_step * self.settings.group_size  # one step more
                 break
             self.maybe_load_checkpoint()
             time.sleep(0.2)
         self.stats.paused_s += time.monotonic() - started
+
+    def learner_short(self, waited_s: float) -> bool:
+        """Whether the learner lacks batches for the version after this worker's, once the batches of the
+        episodes already made had --demand-settle-s to arrive (never with --fixed-quota or an older learner)."""
+        settle = self.settings.demand_settle_s
+        if settle is None or waited_s < settle or self.manifest is None:
+            return False
+        short = self.demand.shortfall(self.manifest)
+        return short is not None and short > 0
 
     def step(self) -> None:
         self.maybe_load_checkpoint()
@@ -299,6 +322,7 @@ class RolloutWorker:
             self.sink.close()  # flush: every event acknowledged before exit
             self.metrics_out.close()
             self.code_runner.close()
+            self.demand.close()
         return self.report()
 
     def report(self) -> dict[str, Any]:
@@ -306,6 +330,7 @@ class RolloutWorker:
                 "statuses": self.stats.statuses, "tokens": self.stats.tokens, "events": self.sink.stats,
                 "generate_s": round(self.stats.generate_s, 2), "sandbox_s": round(self.stats.sandbox_s, 2),
                 "paused_s": round(self.stats.paused_s, 2), "quota_waits": self.stats.quota_waits,
+                "demand_steps": self.stats.demand_steps,
                 "versions_loaded": self.stats.versions_loaded,
                 "checkpoints_refused": self.follower.refused, "curriculum_skips": dict(self.mixer.skips),
                 "curriculum_probes": self.mixer.probes, "curriculum_exhausted": self.mixer.exhausted}

@@ -46,6 +46,10 @@ class CheckpointManifest:
     # Every batch consumed since the previous version, trained or skipped, in the order the learner read
     # them: a rebuild replays them in this order when the batches topic no longer has them.
     read_order: list[str] = field(default_factory=list)
+    # Batches the learner reads to make the next version (its updates per checkpoint times its batches per
+    # update, in the phase that follows); 0 when not said. A rollout worker that has made its quota compares it
+    # with what the batches topic holds past `offsets`: while the learner is short, waiting makes nothing.
+    next_batches: int = 0
 
     def to_json(self) -> bytes:
         doc = asdict(self)

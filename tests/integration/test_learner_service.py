@@ -246,6 +246,22 @@ def test_several_shards_make_one_policy_gradient_update(stack: Settings, topics:
     assert report["updates"] == 2
 
 
+def test_each_version_says_how_many_batches_the_next_one_trains_on(stack: Settings, topics: Topics,
+                                                                     store: ObjectStore, tmp_path: Path) -> None:
+    """One SFT update (a version of its own), then GRPO updates of 2 shards, a version every 2 updates, 5
+    updates in all: v0 needs 1 batch, v1 2 (its phase ends at update 2), v2 4, v3 the 2 of the last update.
+    Rollout workers past their quota go on generating while the topic holds fewer past the version's offsets.
+    (The first batch has no successful trajectory for SFT: skipped, so v1 reads 2 records; the third batch's
+    manifest comes twice, one record more for v2.)"""
+    publish_batches(stack, store, topics, 10)
+    proc = run_learner(stack, topics.ns, tmp_path, None, "--sft-updates", "1", "--sft-updates-per-checkpoint", "1",
+                       "--rl-batches-per-update", "2", "--max-updates", "5", "--max-policy-lag", "100")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lineage = announced_lineage(stack, store, topics)
+    assert [(len(m.batch_ids), m.next_batches) for m in lineage] == [(0, 1), (1, 2), (2, 4), (4, 2), (2, 2)]
+    assert [m.offsets.get(0, 0) for m in lineage] == [0, 2, 5, 9, 11]
+
+
 def compact_now(stack: Settings, topic: str) -> None:
     """Make the broker's log cleaner compact `topic` as soon as a segment closes."""
     from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource

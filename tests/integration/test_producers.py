@@ -141,7 +141,7 @@ def _watermarks(settings: Settings, topics: Topics) -> list[tuple[int, int]]:
 
 
 def publish_checkpoint(stack: Settings, store: ObjectStore, topics: Topics, version: int,
-                       weights: dict[str, torch.Tensor], corrupt: bool = False) -> None:
+                       weights: dict[str, torch.Tensor], corrupt: bool = False, next_batches: int = 0) -> None:
     from safetensors.torch import save
 
     data = save(weights, metadata={"format": "pt"})
@@ -149,7 +149,7 @@ def publish_checkpoint(stack: Settings, store: ObjectStore, topics: Topics, vers
     store.put(prefix + WEIGHTS_FILE, data)
     manifest = CheckpointManifest(run=topics.ns, version=version, step=version, algorithm="grpo",
                                   files={WEIGHTS_FILE: FileEntry(sha256_hex(data), len(data))}, offsets={},
-                                  batch_ids=[])
+                                  batch_ids=[], next_batches=next_batches)
     body = manifest.to_json()
     store.put(prefix + "manifest.json", body)
     sha = sha256_hex(body) if not corrupt else "0" * 64
@@ -286,6 +286,42 @@ def test_a_worker_makes_exactly_its_quota_of_episodes_per_version(stack: Setting
              if line.startswith("[paced] step ")]
     assert steps == [8, 2, 8, 2] and worker.stats.episodes == 20
     assert len(events_by_episode(stack, topics)) == 20
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["following-demand", "fixed-quota"])
+def test_a_worker_past_its_quota_makes_another_step_while_the_learner_is_short_of_batches(
+        stack: Settings, topics: Topics, store: ObjectStore, fixed: bool) -> None:
+    """v0 says the learner needs 2 batches for v1 and the batches topic holds none: a worker that made its quota
+    of 4 episodes makes another step once the batches of its episodes had 0.3 s to arrive, instead of waiting
+    30 s for a version the learner cannot make. Once the topic holds the 2 batches it waits for the version (the
+    3 s bound here). With --fixed-quota both waits run to the bound, as every wait did before."""
+    settings = WorkerSettings(ns=topics.ns, producer_id="demand", group_size=2, max_new_tokens=4, layers=2,
+                              width=64, prompts_per_step=2, max_episodes_per_version=4, quota_wait_s=3.0,
+                              demand_settle_s=None if fixed else 0.3, max_policy_lag=9)
+    worker = RolloutWorker(settings, stack)
+    base = {k: v.clone() for k, v in worker.backend.model.state_dict().items() if k != "lm_head.weight"}
+    publish_checkpoint(stack, store, topics, 0, base, next_batches=2)
+    worker.follower.start()
+    grants = []
+    try:
+        worker.wait_for_published_weights()
+        worker.step()  # the quota
+        worker.step()  # short of batches: another step (fixed: after the 3 s bound)
+        grants.append((worker.stats.quota_waits, worker.stats.demand_steps))
+        pub = Publisher(stack)
+        for i in range(2):
+            pub.send(topics.batches, None, f"batch-{i}".encode())
+        pub.close()
+        worker.step()  # the learner has its batches: wait for v1 (the bound here: no learner makes it)
+        grants.append((worker.stats.quota_waits, worker.stats.demand_steps))
+    finally:
+        worker.follower.stop()
+        worker.sink.close()
+        worker.metrics_out.close()
+        worker.code_runner.close()
+        worker.demand.close()
+    assert grants == ([(1, 0), (2, 0)] if fixed else [(1, 1), (2, 1)])
+    assert worker.stats.episodes == 12 and worker.backend.version == 0
 
 
 def test_a_worker_a_version_ahead_holds_a_second_quota_and_waits_only_when_both_are_made(

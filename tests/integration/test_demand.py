@@ -1,0 +1,43 @@
+"""What the learner still needs for its next version, read from a real batches topic and a version's manifest."""
+from __future__ import annotations
+
+import pytest
+
+from infra.kafka import Publisher
+from infra.settings import Settings
+from producers.demand import LearnerDemand
+from schemas.manifests import CheckpointManifest
+from schemas.topics import Topics
+
+pytestmark = pytest.mark.integration
+
+
+def manifest(offsets: dict[int, int], next_batches: int) -> CheckpointManifest:
+    return CheckpointManifest(run="r", version=3, step=3, algorithm="grpo", files={}, offsets=offsets, batch_ids=[],
+                              next_batches=next_batches)
+
+
+def test_the_shortfall_is_what_the_next_version_needs_less_the_batches_past_the_versions_offsets(
+        stack: Settings, topics: Topics) -> None:
+    pub = Publisher(stack)
+    for i in range(5):
+        pub.send(topics.batches, None, f"batch-{i}".encode())
+    pub.close()
+    demand = LearnerDemand(stack, topics)
+    try:
+        assert demand.held_since({}) == 5  # a version before any batch was read: the whole topic
+        assert demand.shortfall(manifest({0: 2}, 4)) == 1  # 3 held past offset 2, 4 needed
+        assert demand.shortfall(manifest({0: 1}, 4)) == 0
+        assert demand.shortfall(manifest({0: 0}, 2)) == -3  # more than it needs: a worker waits
+        assert demand.shortfall(manifest({0: 9}, 2)) == 2  # offsets past the end (a trimmed topic): nothing held
+        assert demand.shortfall(manifest({}, 0)) is None  # a manifest that does not say (an older learner)
+    finally:
+        demand.close()
+
+
+def test_a_topic_the_broker_does_not_know_leaves_the_demand_unknown(stack: Settings) -> None:
+    demand = LearnerDemand(stack, Topics("no-such-namespace-demand"), timeout_s=2.0)
+    try:
+        assert demand.shortfall(manifest({}, 4)) is None
+    finally:
+        demand.close()
