@@ -111,7 +111,8 @@ def plan(args: argparse.Namespace, ns: str) -> list[Service]:
                                          str(args.group_size), "--prompts-per-step", str(args.prompts_per_step),
                                          "--max-new-tokens", str(args.max_new_tokens), "--producer-id", f"worker-{i}",
                                          "--seed", str(i), "--max-policy-lag", "1", "--max-episodes-per-version",
-                                         str(quota(args)), "--quota-wait-s", str(args.quota_wait_s), "--curriculum",
+                                         str(quota(args)), "--quota-wait-s", str(args.quota_wait_s),
+                                         *(["--fixed-quota"] if args.fixed_quota else []), "--curriculum",
                                          str(args.curriculum), *sampling, *backend, *model],
                        when="rl" if args.sft_updates else "start")  # no SFT phase: RL from v0 on
                for i in range(args.workers)]
@@ -377,7 +378,11 @@ def parser() -> argparse.ArgumentParser:
                         "(groups that teach nothing are dropped upstream; more than that goes stale)")
     p.add_argument("--quota-wait-s", type=float, default=10.0,
                    help="how long a worker that made its episodes for a version waits for the next one before "
-                        "going on with the old one (longer than an update takes, or the surplus goes stale)")
+                        "going on with the old one while the learner has the batches it needs (longer than an "
+                        "update takes, or the surplus goes stale)")
+    p.add_argument("--fixed-quota", action="store_true",
+                   help="rollout workers ignore the learner's demand: past their quota they wait for a newer version "
+                        "(or --quota-wait-s) even while the learner is short of batches")
     p.add_argument("--partitions", type=int, default=2,
                    help="of each topic; the shard writer batches per partition (1: full batches from one worker)")
     p.add_argument("--keep-last", type=int, default=0, help="learner retention: keep the files of the last K versions "
