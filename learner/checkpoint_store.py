@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Iterator, Mapping, Optional
 
 from infra.kafka import Publisher, read_topic
 from infra.objectstore import ObjectStore
@@ -81,8 +82,7 @@ def load(store: ObjectStore, event: CheckpointPublished) -> LoadedCheckpoint:
     try:
         body = store.get(event.manifest_key, sha256=event.manifest_sha256)
         manifest = CheckpointManifest.from_json(body)
-        files = {name: store.get(event.prefix + name, sha256=entry.sha256) for name, entry in manifest.files.items()}
-        verify_files(files, manifest.files)
+        files = fetch_files(store, event.prefix, manifest)
     except (IntegrityError, ObjectNotFound) as exc:
         raise CheckpointError(f"checkpoint v{event.version} does not verify: {exc}") from exc
     return LoadedCheckpoint(event, manifest, files)
@@ -151,32 +151,40 @@ def read_manifest(store: ObjectStore, ns: str, version: int) -> CheckpointManife
 def load_version(store: ObjectStore, ns: str, version: int) -> LoadedCheckpoint:
     """Version `version` of `ns` straight from the store (its manifest names every file's sha256), whether or
     not its announcement is still on the compacted topic."""
-    prefix = checkpoint_prefix(ns, version)
-    try:
+    with verifying(ns, version):
         manifest = read_manifest(store, ns, version)
-    except ObjectNotFound as exc:
-        raise CheckpointError(f"checkpoint v{version} of {ns} is not in the store (a retention of its learner, "
-                              f"--keep-last/--keep-every, may have let it go): {exc}") from exc
-    except (IntegrityError, ManifestError) as exc:
-        raise CheckpointError(f"checkpoint v{version} of {ns} does not verify: {exc}") from exc
     return load_files(store, ns, manifest)
 
 
 def load_files(store: ObjectStore, ns: str, manifest: CheckpointManifest) -> LoadedCheckpoint:
     """The files of a manifest already read (and verified against its announcement), each verified."""
     version, prefix = manifest.version, checkpoint_prefix(ns, manifest.version)
+    with verifying(ns, version):
+        files = fetch_files(store, prefix, manifest)
+    event = CheckpointPublished(run=manifest.run, version=version, step=manifest.step, bucket=store.bucket,
+                                prefix=prefix, manifest_key=prefix + MANIFEST_FILE, manifest_sha256="",
+                                algorithm=manifest.algorithm, batch_ids=tuple(manifest.batch_ids), ts=0)
+    return LoadedCheckpoint(event, manifest, files)
+
+
+def fetch_files(store: ObjectStore, prefix: str, manifest: CheckpointManifest) -> dict[str, bytes]:
+    """Every file the manifest lists, from under `prefix`, each checked against its sha256 and size."""
+    files = {name: store.get(prefix + name, sha256=entry.sha256) for name, entry in manifest.files.items()}
+    verify_files(files, manifest.files)
+    return files
+
+
+@contextmanager
+def verifying(ns: str, version: int) -> Iterator[None]:
+    """Reading checkpoint v`version` of `ns`: a missing object or one that does not verify raised as the
+    CheckpointError that says which."""
     try:
-        files = {name: store.get(prefix + name, sha256=entry.sha256) for name, entry in manifest.files.items()}
-        verify_files(files, manifest.files)
+        yield
     except ObjectNotFound as exc:
         raise CheckpointError(f"checkpoint v{version} of {ns} is not in the store (a retention of its learner, "
                               f"--keep-last/--keep-every, may have let it go): {exc}") from exc
     except (IntegrityError, ManifestError) as exc:
         raise CheckpointError(f"checkpoint v{version} of {ns} does not verify: {exc}") from exc
-    event = CheckpointPublished(run=manifest.run, version=version, step=manifest.step, bucket=store.bucket,
-                                prefix=prefix, manifest_key=prefix + MANIFEST_FILE, manifest_sha256="",
-                                algorithm=manifest.algorithm, batch_ids=tuple(manifest.batch_ids), ts=0)
-    return LoadedCheckpoint(event, manifest, files)
 
 
 def trained_batch_ids(settings: Settings, topics: Topics, run: str, up_to: int) -> set[str]:

@@ -262,15 +262,18 @@ class RolloutWorker:
     def remaining_prompts(self) -> int:
         if self.settings.episodes is None:
             return self.settings.prompts_per_step
-        left = self.settings.episodes - self.stats.episodes
-        return max(1, -(-left // self.settings.group_size))
+        return self.prompts_for(self.settings.episodes - self.stats.episodes)
 
     def quota_prompts(self) -> int:
-        """The prompts left of the quota it holds (whole groups, at least one): the last step before a wait
-        makes what is left, not a whole step beyond it."""
+        """The prompts left of the quota it holds: the last step before a wait makes what is left, not a whole
+        step beyond it."""
         if self.settings.max_episodes_per_version is None or not self.settings.follow_checkpoints:
             return self.settings.prompts_per_step
-        return max(1, -(-self.credit // self.settings.group_size))
+        return self.prompts_for(self.credit)
+
+    def prompts_for(self, episodes: int) -> int:
+        """Prompts whose groups make `episodes` episodes, rounded up to whole groups, at least one."""
+        return max(1, -(-episodes // self.settings.group_size))
 
     def done(self) -> bool:
         return self._stop or (self.settings.episodes is not None and self.stats.episodes >= self.settings.episodes)

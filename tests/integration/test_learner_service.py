@@ -525,7 +525,8 @@ def test_a_restart_below_weights_only_versions_downloads_each_once_and_stores_a_
         stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """Resuming from v4 below weights-only v5 and v6 fetches v4's files to resume from, and v5's and v6's
     weights once each, to compare with what it trains again (the newest used to come down twice: once to
-    find it, once to compare it), and their manifests once, read to resume (the comparison read them again). v5's weights, broken in the store, are stored again from what it trained."""
+    find it, once to compare it), and their manifests once, read to resume (the comparison read them again).
+    v5's weights, broken in the store, are stored again from what it trained."""
     from learner.service import LearnerService
     from learner.settings import from_args
 
