@@ -41,8 +41,9 @@ class WorkerSettings:
     versions_ahead: int = 0
     # Once its quotas are made, a worker waits for a newer version only while the learner holds the batches that
     # version needs; when it is short, after this long (for the batches of episodes already made to arrive) the
-    # worker makes another step. None: a fixed quota, the wait ends only with a version or --quota-wait-s.
-    demand_settle_s: float | None = 4.0
+    # worker makes the share of a quota it lacks. None: a fixed quota, the wait ends only with a version or
+    # --quota-wait-s.
+    demand_settle_s: float | None = 1.0
     split: str = "train"  # train | heldout | all: held-out tasks are for evaluation only
     init_checkpoint: str | None = None  # "NS:VERSION" or "NS:latest": start from that published checkpoint
     layers: int = 4  # size of the small model when no --model-dir is given
@@ -137,10 +138,11 @@ def parser() -> argparse.ArgumentParser:
                    help="quotas a worker may generate beyond its current version's: with 1, the next update's data "
                         "is made while the learner trains (a batch buffered, one version older); 0: wait for each "
                         "version once its quota is made")
-    p.add_argument("--demand-settle-s", type=float, default=4.0,
+    p.add_argument("--demand-settle-s", type=float, default=1.0,
                    help="once the quota is made, wait for a newer version only while the learner holds the batches "
                         "it needs for it (its checkpoint says how many); when it is short after this many seconds "
-                        "(longer than a batch takes to form), make another step")
+                        "(for the batches of the episodes already made to arrive), make the share of a quota it "
+                        "lacks")
     p.add_argument("--fixed-quota", action="store_true",
                    help="ignore the learner's demand: after the quota, wait for a newer version or --quota-wait-s")
     p.add_argument("--split", default="train", choices=["train", "heldout", "all"],

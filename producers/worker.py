@@ -200,22 +200,28 @@ class RolloutWorker:
             if waited > self.settings.quota_wait_s:
                 self.grant(1)  # no newer version in time: a stalled learner must not stall the fleet forever
                 break
-            if self.learner_short(waited):
+            short = self.learner_short(waited)
+            if short > 0:
                 self.stats.demand_steps += 1
-                self.credit = self.settings.prompts_per_step * self.settings.group_size  # one step more
+                self.credit = short
                 break
             self.maybe_load_checkpoint()
             time.sleep(0.2)
         self.stats.paused_s += time.monotonic() - started
 
-    def learner_short(self, waited_s: float) -> bool:
-        """Whether the learner lacks batches for the version after this worker's, once the batches of the
-        episodes already made had --demand-settle-s to arrive (never with --fixed-quota or an older learner)."""
-        settle = self.settings.demand_settle_s
-        if settle is None or waited_s < settle or self.manifest is None:
-            return False
-        short = self.demand.shortfall(self.manifest)
-        return short is not None and short > 0
+    def learner_short(self, waited_s: float) -> int:
+        """Episodes to make for the batches the learner lacks for the version after this worker's: the share of
+        a quota they are of that version's batches, at least a step; 0 while it has them, before the batches
+        of the episodes already made had --demand-settle-s to arrive, with --fixed-quota or an older learner."""
+        settle, manifest = self.settings.demand_settle_s, self.manifest
+        if settle is None or waited_s < settle or manifest is None:
+            return 0
+        short = self.demand.shortfall(manifest)
+        if short is None or short <= 0:
+            return 0
+        quota = self.settings.max_episodes_per_version or 0
+        return max(self.settings.prompts_per_step * self.settings.group_size,
+                   -(-quota * short // manifest.next_batches))
 
     def step(self) -> None:
         self.maybe_load_checkpoint()

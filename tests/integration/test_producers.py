@@ -289,39 +289,49 @@ def test_a_worker_makes_exactly_its_quota_of_episodes_per_version(stack: Setting
 
 
 @pytest.mark.parametrize("fixed", [False, True], ids=["following-demand", "fixed-quota"])
-def test_a_worker_past_its_quota_makes_another_step_while_the_learner_is_short_of_batches(
+def test_a_worker_past_its_quota_makes_the_share_the_learner_lacks_and_waits_once_it_has_its_batches(
         stack: Settings, topics: Topics, store: ObjectStore, fixed: bool) -> None:
-    """v0 says the learner needs 2 batches for v1 and the batches topic holds none: a worker that made its quota
-    of 4 episodes makes another step once the batches of its episodes had 0.3 s to arrive, instead of waiting
-    30 s for a version the learner cannot make. Once the topic holds the 2 batches it waits for the version (the
-    3 s bound here). With --fixed-quota both waits run to the bound, as every wait did before."""
+    """v0 says the learner needs 4 batches for v1 and the batches topic holds 1: a worker that made its quota of
+    8 episodes (steps of 4) makes the 3/4 of a quota the learner lacks, 6 episodes, once the batches of its
+    episodes had 0.3 s to arrive, instead of waiting 3 s for a version the learner cannot make. Once the topic
+    holds the 4 batches it waits for the version (the 3 s bound: no learner makes it here). With --fixed-quota
+    every wait runs to the bound and ends with a whole quota, as every wait did before."""
     settings = WorkerSettings(ns=topics.ns, producer_id="demand", group_size=2, max_new_tokens=4, layers=2,
-                              width=64, prompts_per_step=2, max_episodes_per_version=4, quota_wait_s=3.0,
+                              width=64, prompts_per_step=2, max_episodes_per_version=8, quota_wait_s=3.0,
                               demand_settle_s=None if fixed else 0.3, max_policy_lag=9)
     worker = RolloutWorker(settings, stack)
     base = {k: v.clone() for k, v in worker.backend.model.state_dict().items() if k != "lm_head.weight"}
-    publish_checkpoint(stack, store, topics, 0, base, next_batches=2)
-    worker.follower.start()
-    grants = []
-    try:
-        worker.wait_for_published_weights()
-        worker.step()  # the quota
-        worker.step()  # short of batches: another step (fixed: after the 3 s bound)
-        grants.append((worker.stats.quota_waits, worker.stats.demand_steps))
+
+    def add_batches(n: int) -> None:
         pub = Publisher(stack)
-        for i in range(2):
+        for i in range(n):
             pub.send(topics.batches, None, f"batch-{i}".encode())
         pub.close()
-        worker.step()  # the learner has its batches: wait for v1 (the bound here: no learner makes it)
-        grants.append((worker.stats.quota_waits, worker.stats.demand_steps))
+
+    add_batches(1)
+    publish_checkpoint(stack, store, topics, 0, base, next_batches=4)
+    worker.follower.start()
+    steps, waits = [], []
+    try:
+        worker.wait_for_published_weights()
+        for i in range(5):
+            if i == 4:
+                add_batches(3)  # the learner has its 4 batches: the wait before the next step is for v1
+            made = worker.stats.episodes
+            worker.step()
+            steps.append(worker.stats.episodes - made)
+            waits.append((worker.stats.quota_waits, worker.stats.demand_steps))
     finally:
         worker.follower.stop()
         worker.sink.close()
         worker.metrics_out.close()
         worker.code_runner.close()
         worker.demand.close()
-    assert grants == ([(1, 0), (2, 0)] if fixed else [(1, 1), (2, 1)])
-    assert worker.stats.episodes == 12 and worker.backend.version == 0
+    if fixed:
+        assert steps == [4, 4, 4, 4, 4] and waits == [(0, 0), (0, 0), (1, 0), (1, 0), (2, 0)]
+    else:
+        assert steps == [4, 4, 4, 2, 4] and waits == [(0, 0), (0, 0), (1, 1), (1, 1), (2, 1)]
+    assert worker.backend.version == 0
 
 
 def test_a_worker_a_version_ahead_holds_a_second_quota_and_waits_only_when_both_are_made(
