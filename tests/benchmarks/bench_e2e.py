@@ -259,20 +259,28 @@ def main() -> None:
         light = pipeline(args.updates, settings, easy, "--moments-every", "4")
         # A second quota in reserve: the workers make the next update's data while the learner trains.
         ahead = pipeline(args.updates, settings, easy, producer_args=("--versions-ahead", "1"))
-        runs.append((sync, pipe, light, ahead))
+        # Workers that ignore the learner's demand: past their quota they wait for a version even while the
+        # learner is short of batches (the default before demand-following).
+        fixed = pipeline(args.updates, settings, easy, producer_args=("--fixed-quota",))
+        runs.append((sync, pipe, light, ahead, fixed))
         print(f"math-easy, repeat {repeat + 1}/{args.repeats}: seconds per update synchronous "
               f"{sync['steady_per_update']:.2f}, pipeline {pipe['steady_per_update']:.2f} "
               f"(x{pipe['steady_per_update'] / sync['steady_per_update']:.2f}), --moments-every 4 "
               f"{light['steady_per_update']:.2f} (x{light['steady_per_update'] / sync['steady_per_update']:.2f}), "
               f"--versions-ahead 1 {ahead['steady_per_update']:.2f} "
-              f"(x{ahead['steady_per_update'] / sync['steady_per_update']:.2f})", flush=True)
+              f"(x{ahead['steady_per_update'] / sync['steady_per_update']:.2f}), --fixed-quota "
+              f"{fixed['steady_per_update']:.2f} (x{fixed['steady_per_update'] / sync['steady_per_update']:.2f})",
+              flush=True)
     ratios = sorted(r[1]["steady_per_update"] / r[0]["steady_per_update"] for r in runs)
     light_ratios = sorted(r[2]["steady_per_update"] / r[0]["steady_per_update"] for r in runs)
     ahead_ratios = sorted(r[3]["steady_per_update"] / r[0]["steady_per_update"] for r in runs)
-    sync, pipe, light, _ = next(r for r in runs if r[1]["steady_per_update"] / r[0]["steady_per_update"]
+    fixed_ratios = sorted(r[4]["steady_per_update"] / r[0]["steady_per_update"] for r in runs)
+    sync, pipe, light, _, _ = next(r for r in runs if r[1]["steady_per_update"] / r[0]["steady_per_update"]
                                 == ratios[len(ratios) // 2])  # the median repeat, described in full
     ahead_ratio = ahead_ratios[len(ahead_ratios) // 2]
     ahead = next(r[3] for r in runs if r[3]["steady_per_update"] / r[0]["steady_per_update"] == ahead_ratio)
+    fixed_ratio = fixed_ratios[len(fixed_ratios) // 2]
+    fixed = next(r[4] for r in runs if r[4]["steady_per_update"] / r[0]["steady_per_update"] == fixed_ratio)
     print(f"tiny Llama ({LAYERS} layers, width {WIDTH}), math-easy, G={GROUP}, {BATCH} trajectories per update, "
           f"{args.updates} GRPO updates")
     print(f"synchronous loop: {sync['wall']:.1f}s wall = generate {sync['generate']:.1f}s + sandbox "
@@ -299,6 +307,12 @@ def main() -> None:
           f"{len(runs)} repeats: {ahead_spread}); episodes per update {ahead['episodes'] / args.updates:.0f}, "
           f"learner waiting for data {ahead['learner_waiting']:.1f}s, rollout workers paused "
           f"{ahead['producer_paused']:.1f}s")
+    fixed_spread = ", ".join(f"x{r:.2f}" for r in fixed_ratios)
+    print(f"the same pipeline with --fixed-quota (workers past their quota wait for a version even while the "
+          f"learner is short): x{fixed_ratio:.2f} (the {len(runs)} repeats: {fixed_spread}); learner waiting for "
+          f"data {fixed['learner_waiting']:.1f}s against {pipe['learner_waiting']:.1f}s, rollout workers paused "
+          f"{fixed['producer_paused']:.1f}s against {pipe['producer_paused']:.1f}s, episodes per update "
+          f"{fixed['episodes'] / args.updates:.0f} against {pipe['episodes'] / args.updates:.0f}")
     figures = [
         Figure("synchronous loop, wall", sync["wall"], "s"),
         Figure("streaming pipeline, wall (start-up included)", pipe["wall"], "s", pipe["wall"] / sync["wall"],
@@ -318,6 +332,10 @@ def main() -> None:
         Figure("episodes generated per update, --versions-ahead 1", ahead["episodes"] / args.updates, "episodes",
                ahead["episodes"] / sync["episodes"], "synchronous"),
         Figure("learner waiting for data, --versions-ahead 1", 100 * ahead["learner_waiting"] / ahead["wall"],
+               "% of the wall time"),
+        Figure(f"seconds per update, workers ignoring the learner's demand (--fixed-quota; {fixed_spread})",
+               fixed_ratio * sync["steady_per_update"], "s", fixed_ratio, "synchronous", "≤ 1.2", fixed_ratio <= 1.2),
+        Figure("learner waiting for data, --fixed-quota", 100 * fixed["learner_waiting"] / fixed["wall"],
                "% of the wall time"),
         Figure("CPU seconds per update, synchronous loop", sync["cpu_per_update_loop"], "CPU-s"),
         Figure("CPU seconds per update, pipeline", pipe["cpu_per_update"], "CPU-s", cpu_ratio, "synchronous"),
