@@ -219,11 +219,16 @@ def end_offsets(settings: Settings, topic: str, timeout: float = 10.0) -> dict[i
 def _watermarks(settings: Settings, topic: str, timeout: float) -> dict[int, tuple[int, int]]:
     c = consumer(settings, "trajpipe-watermarks")
     try:
-        meta = c.list_topics(topic, timeout=timeout)
-        parts = meta.topics[topic].partitions
-        return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout) for p in parts}
+        return watermarks(c, topic, timeout)
     finally:
         c.close()
+
+
+def watermarks(c: Consumer, topic: str, timeout: float = 10.0) -> dict[int, tuple[int, int]]:
+    """(low, high) watermark per partition of `topic`, through a client already open (a caller that asks
+    often keeps one); no partitions for a topic the broker does not know."""
+    parts = c.list_topics(topic, timeout=timeout).topics[topic].partitions
+    return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout) for p in parts}
 
 
 def group_assignment(settings: Settings, group: str, topic: str, timeout: float = 10.0) -> dict[str, set[int]]:

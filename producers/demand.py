@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from confluent_kafka import KafkaException, TopicPartition
+from confluent_kafka import KafkaException
 
-from infra.kafka import consumer
+from infra.kafka import consumer, watermarks
 from infra.settings import Settings
 from schemas.manifests import CheckpointManifest
 from schemas.topics import Topics
@@ -28,7 +28,6 @@ class LearnerDemand:
     def __init__(self, settings: Settings, topics: Topics, timeout_s: float = 5.0) -> None:
         self.settings, self.topic, self.timeout_s = settings, topics.batches, timeout_s
         self._consumer: Any = None
-        self._partitions: list[int] = []
 
     def shortfall(self, manifest: CheckpointManifest) -> Optional[int]:
         """Batches the learner lacks to make the version after `manifest`'s; None when the manifest does not say
@@ -41,26 +40,18 @@ class LearnerDemand:
     def held_since(self, offsets: dict[int, int]) -> Optional[int]:
         """Batch records the topic holds past `offsets` (per partition; a partition not in them from its start)."""
         try:
-            c = self._open()
-            held = 0
-            for p in self._partitions:
-                low, high = c.get_watermark_offsets(TopicPartition(self.topic, p), timeout=self.timeout_s)
-                held += max(0, high - max(low, offsets.get(p, low)))
-            return held
-        except KafkaException as exc:
+            if self._consumer is None:  # never subscribes nor commits: watermarks only
+                self._consumer = consumer(self.settings, f"{self.topic}-demand")
+            marks = watermarks(self._consumer, self.topic, self.timeout_s)
+        except (KafkaException, KeyError) as exc:
+            marks, why = {}, str(exc)
+        else:
+            why = "no partitions known"
+        if not marks:
             log.warning("batches topic %s: its end is unknown (%s); the worker waits as with a fixed quota",
-                        self.topic, exc)
+                        self.topic, why)
             return None
-
-    def _open(self) -> Any:
-        if self._consumer is None:
-            c = consumer(self.settings, f"{self.topic}-demand")  # never subscribes nor commits: watermarks only
-            topic = c.list_topics(self.topic, timeout=self.timeout_s).topics.get(self.topic)
-            if topic is None or topic.error is not None or not topic.partitions:
-                c.close()
-                raise KafkaException(f"no partitions known for {self.topic}")
-            self._consumer, self._partitions = c, sorted(topic.partitions)
-        return self._consumer
+        return sum(max(0, high - max(low, offsets.get(p, low))) for p, (low, high) in marks.items())
 
     def close(self) -> None:
         if self._consumer is not None:

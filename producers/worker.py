@@ -200,16 +200,16 @@ class RolloutWorker:
             if waited > self.settings.quota_wait_s:
                 self.grant(1)  # no newer version in time: a stalled learner must not stall the fleet forever
                 break
-            short = self.learner_short(waited)
-            if short > 0:
+            lacking = self.episodes_the_learner_lacks(waited)
+            if lacking > 0:
                 self.stats.demand_steps += 1
-                self.credit = short
+                self.credit = lacking
                 break
             self.maybe_load_checkpoint()
             time.sleep(0.2)
         self.stats.paused_s += time.monotonic() - started
 
-    def learner_short(self, waited_s: float) -> int:
+    def episodes_the_learner_lacks(self, waited_s: float) -> int:
         """Episodes to make for the batches the learner lacks for the version after this worker's: the share of
         a quota they are of that version's batches, at least a step; 0 while it has them, before the batches
         of the episodes already made had --demand-settle-s to arrive, with --fixed-quota or an older learner."""
