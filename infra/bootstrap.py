@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from confluent_kafka import KafkaException
-from confluent_kafka.admin import ConfigResource, NewTopic
+from confluent_kafka.admin import AdminClient, ClusterMetadata, ConfigResource, NewTopic
 
 from infra.kafka import admin, while_broker_away
 from infra.objectstore import ObjectStore
@@ -43,7 +43,34 @@ def create_topics(settings: Settings, topics: Topics, timeout: float = 30.0) -> 
                 if exc.args[0].name() != "TOPIC_ALREADY_EXISTS":
                     raise InfraError(f"cannot create topic {name}: {exc}") from exc
                 report.existing.append(name)
+    wait_until_every_broker_knows(settings, [s.name for s in topics.specs()], timeout)
     return report
+
+
+def _known(meta: ClusterMetadata, name: str) -> bool:
+    found = meta.topics.get(name)
+    return (found is not None and found.error is None and bool(found.partitions)
+            and all(p.leader >= 0 for p in found.partitions.values()))
+
+
+def wait_until_every_broker_knows(settings: Settings, names: list[str], timeout: float = 30.0) -> None:
+    """Return once each broker of the cluster lists every topic in `names` with a leader for each partition.
+    CreateTopics answers when the controller has committed the topics; a broker applies that a moment later,
+    and a client that asks it in between hears "unknown topic" (on three brokers, one bootstrap in two)."""
+    brokers = [f"{b.host}:{b.port}" for b in admin(settings).list_topics(timeout=timeout).brokers.values()]
+    deadline = time.monotonic() + timeout
+    for address in brokers:
+        # a client that knows one address asks that broker first
+        client = AdminClient({"bootstrap.servers": address})
+        while True:
+            meta = client.list_topics(timeout=max(1.0, deadline - time.monotonic()))
+            missing = [n for n in names if not _known(meta, n)]
+            if not missing:
+                break
+            if time.monotonic() >= deadline:
+                raise InfraError(f"broker {address} still does not list {', '.join(missing)} {timeout:.0f} s "
+                                 "after they were created")
+            time.sleep(0.1)
 
 
 def topic_config(settings: Settings, topic: str, timeout: float = 10.0) -> dict[str, str]:
@@ -85,4 +112,4 @@ def bootstrap(settings: Settings, ns: str, partitions: int = 4) -> BootstrapRepo
 
 
 __all__ = ["BootstrapReport", "bootstrap", "create_topics", "delete_topics", "partition_count",
-           "topic_config"]
+           "topic_config", "wait_until_every_broker_knows"]

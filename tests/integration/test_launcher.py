@@ -100,3 +100,28 @@ def test_the_first_committed_offsets_asked_of_a_fresh_broker_wait_for_its_group_
         assert keys and all(store.exists(k) for k in keys)
     finally:
         launcher.down()
+
+
+def test_bootstrap_on_three_brokers_returns_once_every_broker_lists_every_topic(tmp_path: Path) -> None:
+    """CreateTopics answers once the controller has committed; each broker applies the topics a moment later.
+    Asked at once, a broker lagging behind called them unknown in one bootstrap of two: bootstrap now waits
+    for every broker, so a service started right after it finds its topics."""
+    from infra.bootstrap import bootstrap
+    from infra.kafka import admin
+    from schemas.topics import Topics
+
+    launcher = private_launcher(tmp_path / "cluster", brokers=3)
+    try:
+        launcher.up()
+        settings = launcher.settings()
+        for i in range(12):
+            topics = Topics(f"three{i}", partitions=2)
+            bootstrap(settings, topics.ns, partitions=2)
+            meta = admin(settings).list_topics(timeout=10)  # a fresh client asks whichever broker it likes
+            for spec in topics.specs():
+                found = meta.topics.get(spec.name)
+                assert found is not None and found.error is None, (i, spec.name)
+                assert len(found.partitions) == spec.partitions and all(len(p.replicas) == 3 and p.leader >= 0
+                                                           for p in found.partitions.values()), (i, spec.name)
+    finally:
+        launcher.down()
