@@ -1,7 +1,10 @@
 """The checkpoint directory as bytes in memory: safetensors weights and optimizer state, JSON config and state.
 
 A checkpoint written with `moments=False` has no optimizer files: its weights serve rollout workers, eval
-and export; a learner resumes from the newest version that has them (see learner.service).
+and export; a learner resumes from the newest version that has them (see learner.service). One written with
+`broadcast_bf16=True` also carries the weights rounded to bfloat16 (`model.bf16.safetensors`, half the bytes):
+what rollout workers following the learner download and generate with; eval, export and a resume read the
+float32 weights.
 
 No pickle: tensors go to safetensors, everything else to JSON. The directory loads with
 `AutoModelForCausalLM.from_pretrained(dir)` once written to disk.
@@ -20,6 +23,7 @@ from typing import Any, Iterable, Mapping
 
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
+import torch
 from torch import Tensor, nn
 
 from schemas.errors import CheckpointError, IntegrityError
@@ -28,10 +32,11 @@ from schemas.packing import sha256_hex
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+BROADCAST_FILE = "model.bf16.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 OPTIMIZER_META_FILE = "optimizer.json"
 TRAINER_STATE_FILE = "trainer_state.json"
-CHECKPOINT_FILES = (MODEL_FILE, CONFIG_FILE, OPTIMIZER_FILE, OPTIMIZER_META_FILE, TRAINER_STATE_FILE)
+CHECKPOINT_FILES = (MODEL_FILE, BROADCAST_FILE, CONFIG_FILE, OPTIMIZER_FILE, OPTIMIZER_META_FILE, TRAINER_STATE_FILE)
 REQUIRED_FILES = (MODEL_FILE, CONFIG_FILE, TRAINER_STATE_FILE)
 MOMENT_FILES = (OPTIMIZER_FILE, OPTIMIZER_META_FILE)
 
@@ -114,19 +119,27 @@ def _json(doc: Any) -> bytes:
         raise CheckpointError(f"checkpoint metadata is not JSON-serialisable: {exc}") from exc
 
 
-def write_checkpoint(state: CheckpointState, moments: bool = True) -> dict[str, bytes]:
-    """The files of a checkpoint directory, as bytes: five, or three without the optimizer's moments."""
+def write_checkpoint(state: CheckpointState, moments: bool = True, broadcast_bf16: bool = False) -> dict[str, bytes]:
+    """The files of a checkpoint directory, as bytes: five, or three without the optimizer's moments; one more
+    with `broadcast_bf16` (the weights for rollout workers, in bfloat16)."""
     files = {
         # "format": "pt" is what from_pretrained expects in the safetensors header.
         MODEL_FILE: save_safetensors(state.model, metadata={"format": "pt"}),
         CONFIG_FILE: _json(state.model_config),
         TRAINER_STATE_FILE: _json(state.trainer),
     }
+    if broadcast_bf16:
+        files[BROADCAST_FILE] = save_safetensors(bf16_weights(state.model), metadata={"format": "pt"})
     if moments:
         optimizer = state.moments()
         files[OPTIMIZER_FILE] = save_safetensors(optimizer.tensors, metadata={"format": "pt"})
         files[OPTIMIZER_META_FILE] = _json(optimizer.meta)
     return files
+
+
+def bf16_weights(model: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The floating-point tensors rounded to bfloat16 (to nearest even), the others as they are."""
+    return {name: t.to(torch.bfloat16) if t.is_floating_point() else t for name, t in model.items()}
 
 
 def has_moments(names: Iterable[str]) -> bool:

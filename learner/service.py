@@ -352,7 +352,7 @@ class LearnerService(PolicyHolder):
         state = self.trainer.state_dict_for_checkpoint(moments=moments)
         state.trainer.update(updates=self.updates, version=self.version, trained_batch_ids=self.trained_ids,
                              learner_args=shaping_args(self.s), sft_end=self.sft_end, sft_losses=self.sft_losses)
-        files = write_checkpoint(state, moments=state.optimizer is not None)
+        files = write_checkpoint(state, moments=state.optimizer is not None, broadcast_bf16=self.s.broadcast_bf16)
         manifest = CheckpointManifest(
             run=self.s.ns, version=self.version, step=self.updates, algorithm=self.trainer.config.algorithm,
             files=file_entries(files), offsets=offsets, batch_ids=[b for b in self.pending_ids if b not in self.skipped],

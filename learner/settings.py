@@ -70,6 +70,7 @@ class LearnerSettings:
     keep_last: int = 0  # retention: keep the files of the last K versions (0: keep every version)
     keep_every: int = 0  # ... and of every N-th one (0: none besides v0 and the reference)
     foreground_checkpoints: bool = False  # store+announce+commit before the next update (default: overlapping it)
+    broadcast_bf16: bool = False  # each version also carries bfloat16 weights, what following rollout workers load
     moments_every: int = 1  # the optimizer's moments in every K-th version (and v0 and a clean stop's); others weights-only
 
     def __post_init__(self) -> None:
@@ -189,6 +190,12 @@ def parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
                    help="store, announce and commit each checkpoint before the next update starts (default: its "
                         "files are written in memory at once, then stored and announced by a background thread "
                         "while the next update trains; at most one in flight, same order, same resume point)")
+    p.add_argument("--broadcast-bf16", action="store_true",
+                   help="each version also carries its weights rounded to bfloat16 (model.bf16.safetensors, half "
+                        "the float32 file): rollout workers following the learner download and generate with "
+                        "those, so every worker moves half the bytes per version, and the learner stores 1.5x the "
+                        "weights; the behaviour log-probs then come from the rounded weights (the importance "
+                        "ratio absorbs it). Eval, export and a resume read the float32 weights")
     p.add_argument("--moments-every", type=int, default=1, metavar="K",
                    help="store the optimizer's moments (twice the weights' size with Adam) in every K-th version "
                         "only, and in v0 and the version a clean stop writes; the versions between are weights-only, "
@@ -259,6 +266,7 @@ def from_args(argv: list[str] | None = None, env: Optional[Mapping[str, str]] = 
         sft_min_reward=a.sft_min_reward, cpu_bf16=a.cpu_bf16, fsdp=a.fsdp, device=a.device, init=a.init,
         replica_of=tuple(a.replica_of), keep_last=a.keep_last, keep_every=a.keep_every,
         foreground_checkpoints=a.foreground_checkpoints, moments_every=a.moments_every,
+        broadcast_bf16=a.broadcast_bf16,
     )
 
 

@@ -27,6 +27,7 @@ from schemas.topics import Topics
 
 log = logging.getLogger(__name__)
 WEIGHTS_FILE = "model.safetensors"
+BROADCAST_FILE = "model.bf16.safetensors"  # a learner's --broadcast-bf16: the weights rounded, half the bytes
 
 
 @dataclass(frozen=True)
@@ -35,10 +36,14 @@ class VerifiedCheckpoint:
     weights: dict[str, Any]  # tensor name -> tensor, loaded from verified safetensors bytes
     event: CheckpointPublished
     manifest: CheckpointManifest  # verified: its batch offsets and next_batches say what the learner still needs
+    file: str = WEIGHTS_FILE  # which weights: the float32 ones, or the learner's bfloat16 broadcast
+    size: int = 0  # bytes of it downloaded
 
 
-def fetch_verified(store: ObjectStore, event: CheckpointPublished) -> VerifiedCheckpoint:
-    """Download and verify a checkpoint; CheckpointError says what did not verify."""
+def fetch_verified(store: ObjectStore, event: CheckpointPublished, broadcast: bool = True) -> VerifiedCheckpoint:
+    """Download and verify a checkpoint's weights: its bfloat16 broadcast when the learner wrote one and
+    `broadcast` (a worker following the learner), else the float32 weights; CheckpointError says what did not
+    verify."""
     from safetensors.torch import load as load_safetensors
 
     try:
@@ -46,13 +51,17 @@ def fetch_verified(store: ObjectStore, event: CheckpointPublished) -> VerifiedCh
         if sha256_hex(manifest_bytes) != event.manifest_sha256:
             raise IntegrityError(f"manifest {event.manifest_key} sha256 differs from the published one")
         manifest = CheckpointManifest.from_json(manifest_bytes)
-        entry = manifest.files.get(WEIGHTS_FILE)
+        name = BROADCAST_FILE if broadcast and BROADCAST_FILE in manifest.files else WEIGHTS_FILE
+        entry = manifest.files.get(name)
         if entry is None:
             raise ManifestError(f"manifest of v{event.version} lists no {WEIGHTS_FILE}")
-        data = store.get(event.prefix + WEIGHTS_FILE, sha256=entry.sha256)
+        data = store.get(event.prefix + name, sha256=entry.sha256)
+        weights = load_safetensors(data)
     except (IntegrityError, ManifestError, ObjectStoreError) as exc:
         raise CheckpointError(f"checkpoint v{event.version} refused: {exc}") from exc
-    return VerifiedCheckpoint(event.version, load_safetensors(data), event, manifest)
+    except Exception as exc:  # safetensors raises its own SafetensorError for a header it cannot read
+        raise CheckpointError(f"checkpoint v{event.version} refused: {name} is not readable safetensors: {exc}") from exc
+    return VerifiedCheckpoint(event.version, weights, event, manifest, name, len(data))
 
 
 def find_announcement(settings: Settings, topics: Topics, version: Optional[int]) -> CheckpointPublished:

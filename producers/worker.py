@@ -52,6 +52,7 @@ class WorkerStats:
     quota_waits: int = 0  # times its quota was used up and it waited for a newer version
     demand_steps: int = 0  # of those waits, the ones it ended with another step because the learner was short
     versions_loaded: list[int] = field(default_factory=list)
+    checkpoint_bytes: int = 0  # weights downloaded to follow the learner (half with its --broadcast-bf16)
     # (version, seconds from its announcement to this worker generating with it), not yet published
     load_latencies: list[tuple[int, float]] = field(default_factory=list)
 
@@ -119,7 +120,7 @@ class RolloutWorker:
         if not ns:
             raise ConfigError(f"--init-checkpoint {spec!r}: write NS:VERSION or NS:latest")
         event = find_announcement(platform, Topics(ns), None if version == "latest" else int(version))
-        ready = fetch_verified(self.store, event)
+        ready = fetch_verified(self.store, event, broadcast=False)  # eval measures the weights themselves
         self.backend.load_weights(ready.weights, ready.version)
         self.stats.versions_loaded.append(ready.version)
 
@@ -161,6 +162,7 @@ class RolloutWorker:
             self.grant(ready.version - previous if self.stats.versions_loaded else None)
             self.manifest = ready.manifest
             self.stats.versions_loaded.append(ready.version)
+            self.stats.checkpoint_bytes += ready.size
             # generation with it starts now: the step that follows this call
             self.stats.load_latencies.append((ready.version, max(0.0, time.time() - ready.event.ts / 1000)))
             print(f"[{self.settings.producer_id}] loaded policy v{ready.version}", file=sys.stderr, flush=True)
@@ -251,6 +253,7 @@ class RolloutWorker:
         m.gauge("rollout/policy_version", float(self.backend.version), producer=worker)
         m.gauge("rollout/checkpoints_loaded", float(len(self.stats.versions_loaded)), producer=worker)
         m.gauge("rollout/checkpoints_refused", float(len(self.follower.refused)), producer=worker)
+        m.gauge("rollout/checkpoint_bytes", float(self.stats.checkpoint_bytes), producer=worker)
         for source, n in self.mixer.drawn.items():  # tasks drawn per source since the start: the mix as it ran
             m.gauge("rollout/tasks_drawn", float(n), producer=worker, source=source)
         if self.mixer.curriculum is not None:
@@ -340,7 +343,7 @@ class RolloutWorker:
                 "generate_s": round(self.stats.generate_s, 2), "sandbox_s": round(self.stats.sandbox_s, 2),
                 "paused_s": round(self.stats.paused_s, 2), "quota_waits": self.stats.quota_waits,
                 "demand_steps": self.stats.demand_steps,
-                "versions_loaded": self.stats.versions_loaded,
+                "versions_loaded": self.stats.versions_loaded, "checkpoint_bytes": self.stats.checkpoint_bytes,
                 "checkpoints_refused": self.follower.refused, "curriculum_skips": dict(self.mixer.skips),
                 "curriculum_probes": self.mixer.probes, "curriculum_exhausted": self.mixer.exhausted}
 

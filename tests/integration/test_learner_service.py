@@ -194,6 +194,54 @@ def test_a_batch_that_trains_nothing_is_skipped_with_its_reason_and_no_version(
     assert "nan" not in proc.stderr and f"batch {published[1]} skipped" in proc.stderr
 
 
+def test_with_a_bf16_broadcast_a_following_worker_downloads_half_the_bytes_and_eval_the_float32_weights(
+        stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
+    from safetensors.torch import load as load_safetensors
+
+    from producers.checkpoints import BROADCAST_FILE, WEIGHTS_FILE, CheckpointFollower
+    from producers.settings import WorkerSettings
+    from producers.worker import RolloutWorker
+
+    publish_batches(stack, store, topics, 2)
+    proc = run_learner(stack, topics.ns, tmp_path, None, "--broadcast-bf16")
+    assert proc.returncode == 0, proc.stderr
+    manifest = checkpoint_store.read_manifest(store, topics.ns, 1)
+    assert {WEIGHTS_FILE, BROADCAST_FILE} <= set(manifest.files)
+    files = checkpoint_store.load_version(store, topics.ns, 1).files  # every file verified by its sha256
+    full = load_safetensors(files[WEIGHTS_FILE])
+
+    settings = WorkerSettings(ns=topics.ns, producer_id="bf16", group_size=2, max_new_tokens=4, layers=2, width=64,
+                              episodes=2, prompts_per_step=1)
+    worker = RolloutWorker(settings, stack)
+    worker.follower = CheckpointFollower(stack, topics, store)
+    worker.follower.start()
+    try:
+        deadline = time.monotonic() + 60
+        while worker.backend.version < 1 and time.monotonic() < deadline:
+            worker.maybe_load_checkpoint()
+            time.sleep(0.2)
+    finally:
+        worker.follower.stop()
+    assert worker.backend.version == 1 and not worker.follower.refused
+    own = worker.backend.model.state_dict()  # type: ignore[attr-defined]
+    # it generates with the rounded weights, held as float32, and moved half the float32 file's bytes per version
+    assert all(torch.equal(own[k], v.to(torch.bfloat16).float()) for k, v in full.items())
+    assert any(not torch.equal(own[k], v) for k, v in full.items())
+    loaded = worker.report()["checkpoint_bytes"]
+    assert loaded == sum(manifest.files[BROADCAST_FILE].size for _ in worker.stats.versions_loaded)
+    assert manifest.files[BROADCAST_FILE].size < 0.52 * manifest.files[WEIGHTS_FILE].size
+    worker.sink.close()
+    worker.code_runner.close()
+
+    # a worker started from a named version (eval, export's card) holds the float32 weights themselves
+    evaluator = RolloutWorker(replace(settings, producer_id="eval", follow_checkpoints=False,
+                                      init_checkpoint=f"{topics.ns}:1"), stack)
+    held = evaluator.backend.model.state_dict()  # type: ignore[attr-defined]
+    assert all(torch.equal(held[k], v) for k, v in full.items())
+    evaluator.sink.close()
+    evaluator.code_runner.close()
+
+
 def test_an_exported_checkpoint_loads_with_from_pretrained_and_generates_as_the_learners_copy(
         stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer

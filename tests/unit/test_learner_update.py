@@ -9,10 +9,12 @@ from typing import Sequence
 
 import pytest
 import torch
+from safetensors.torch import load as load_safetensors
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from learner.batching import NO_VERSION, collate, flatten
 from learner.checkpoint_files import (
+    BROADCAST_FILE,
     CHECKPOINT_FILES,
     file_entries,
     read_checkpoint,
@@ -401,12 +403,30 @@ def _trained() -> tuple[Trainer, list[Trajectory]]:
 def test_checkpoint_loads_with_from_pretrained_and_gives_identical_logits(tmp_path: Path) -> None:
     trainer, _ = _trained()
     files = write_checkpoint(trainer.state_dict_for_checkpoint())
-    assert set(files) == set(CHECKPOINT_FILES)
+    assert set(files) == set(CHECKPOINT_FILES) - {BROADCAST_FILE}  # the bfloat16 copy only when asked
     loaded = AutoModelForCausalLM.from_pretrained(write_dir(files, tmp_path), local_files_only=True)
     ids = torch.tensor([byte_ids("checkpoint?")])
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, trainer.model(input_ids=ids).logits)
     assert read_dir(tmp_path) == files
+
+
+def test_a_bf16_broadcast_carries_the_weights_rounded_to_nearest_in_half_the_bytes(tmp_path: Path) -> None:
+    trainer, _ = _trained()
+    files = write_checkpoint(trainer.state_dict_for_checkpoint(), broadcast_bf16=True)
+    assert set(files) == set(CHECKPOINT_FILES)
+    full, half = load_safetensors(files["model.safetensors"]), load_safetensors(files[BROADCAST_FILE])
+    assert set(half) == set(full) and all(t.dtype == torch.bfloat16 for t in half.values())
+    for name, weights in full.items():
+        assert torch.equal(half[name], weights.to(torch.bfloat16))
+        # round to nearest: no weight moves more than half a bfloat16 step (2**-8 of its magnitude)
+        assert torch.all((half[name].float() - weights).abs() <= weights.abs() * 2.0 ** -8 + 1e-30)
+    assert len(files[BROADCAST_FILE]) < 0.52 * len(files["model.safetensors"])
+    # the directory still loads as the float32 model it was (from_pretrained reads model.safetensors)
+    loaded = AutoModelForCausalLM.from_pretrained(write_dir(files, tmp_path), local_files_only=True)
+    assert loaded.dtype == torch.float32
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in full.items())
+    assert read_checkpoint(files).model.keys() == full.keys()
 
 
 def test_checkpoint_resume_continues_exactly() -> None:
