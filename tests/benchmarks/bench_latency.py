@@ -15,6 +15,8 @@
    (`rollout/checkpoint_latency_s` on the metrics topic, what the monitor's histogram shows). A version
    announced while the worker was still loading an earlier one is superseded, never generated with.
    `smollm2-135m` runs where its converted folder exists (`python -m learner.pretrained smollm2-135m`).
+   Each model runs twice (--precisions): the float32 weights, and the learner's `--broadcast-bf16` (the
+   worker downloads the bfloat16 copy, half the bytes); the bytes the worker moved per version are reported.
 
 Histograms of both go to runs/bench/latency.png. Figures only; nothing is asserted.
 """
@@ -135,7 +137,8 @@ def model_args(model: str) -> list[str]:
     return ["--layers", "4", "--width", "256"] if model == "tiny" else ["--model", model]
 
 
-def checkpoint_latency(settings: Settings, model: str, args: argparse.Namespace) -> dict[str, Any]:
+def checkpoint_latency(settings: Settings, model: str, args: argparse.Namespace,
+                       precision: str = "fp32") -> dict[str, Any]:
     ns = scratch("benchckpt", 6)
     bootstrap(settings, ns, partitions=2)
     topics = Topics(ns, 2)
@@ -151,7 +154,8 @@ def checkpoint_latency(settings: Settings, model: str, args: argparse.Namespace)
         learner = services.start(
             "learner", "learner", "--ns", ns, "--algorithm", "sft", "--lr", "1e-4", "--max-updates", str(updates),
             "--updates-per-checkpoint", "1", "--keep-last", "2", "--cache-dir", tempfile.mkdtemp(),
-            *(["--micro-batch-tokens", "2048"] if pretrained else []), *spec)
+            *(["--micro-batch-tokens", "2048"] if pretrained else []),
+            *(["--broadcast-bf16"] if precision == "bf16" else []), *spec)
         services.start("demonstrations", "producers", "--ns", ns, "--sources", "reverse", "--demonstrations",
                        str(batch * updates * 2), "--producer-id", "demonstrations", *spec)
         services.start("worker", "producers", "--ns", ns, "--sources", "reverse", "--group-size", "4",
@@ -167,17 +171,21 @@ def checkpoint_latency(settings: Settings, model: str, args: argparse.Namespace)
     announced = [codec.decode(m.value() or b"", expect=CheckpointPublished) for m in read_topic(settings,
                                                                                               topics.checkpoints)]
     loaded: dict[int, float] = {}
+    moved = {"rollout/checkpoint_bytes": 0.0, "rollout/checkpoints_loaded": 0.0}  # the worker's newest totals
     for msg in read_topic(settings, topics.metrics):
         m = codec.decode(msg.value() or b"", expect=PipelineMetric)
         if m.name == "rollout/checkpoint_latency_s":
             loaded.setdefault(int(m.labels["version"]), m.value)
+        elif m.name in moved and m.labels.get("producer") == "worker":
+            moved[m.name] = max(moved[m.name], m.value)
     hot = {v: s for v, s in loaded.items() if v > 0}  # v0 is the worker's start-up (it waits for it)
     versions = sorted({a.version for a in announced if a.version > 0})
     if not hot:
         raise RuntimeError(f"{model}: the worker generated with no announced checkpoint after v0; see "
                            f"{args.log_dir}/{ns}-worker.log")
-    return {"model": model, "announced": len(versions), "loaded": hot,
-            "superseded": len([v for v in versions if v not in loaded])}
+    per_version = moved["rollout/checkpoint_bytes"] / max(1.0, moved["rollout/checkpoints_loaded"])
+    return {"model": model, "precision": precision, "announced": len(versions), "loaded": hot,
+            "superseded": len([v for v in versions if v not in loaded]), "bytes_per_version": per_version}
 
 
 # ---- report ---------------------------------------------------------------------------------------------
@@ -195,7 +203,7 @@ def plot(batches: Optional[dict[str, Any]], checkpoints: list[dict[str, Any]], p
         axes[0].legend(fontsize=8)
     for run in checkpoints:
         axes[1].hist(list(run["loaded"].values()), bins=20, alpha=0.6,
-                     label=f"{run['model']} ({len(run['loaded'])} versions)")
+                     label=f"{run['model']}, {run['precision']} ({len(run['loaded'])} versions)")
     axes[1].set(title="checkpoint announced -> generating with it", xlabel="seconds", ylabel="versions")
     if checkpoints:
         axes[1].legend(fontsize=8)
@@ -213,6 +221,8 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=10, help="seconds for the services to join before events flow")
     p.add_argument("--models", default="tiny,smollm2-135m", help="models of the checkpoint run (tiny: 4x256)")
     p.add_argument("--updates", type=int, default=40, help="checkpoints of the tiny model")
+    p.add_argument("--precisions", default="fp32,bf16",
+                   help="weights the worker downloads: fp32, and bf16 (the learner's --broadcast-bf16)")
     p.add_argument("--pretrained-updates", type=int, default=5, help="checkpoints of a pretrained model")
     p.add_argument("--settle", type=float, default=10, help="seconds the worker runs after the last checkpoint")
     p.add_argument("--timeout", type=float, default=900, help="seconds a learner may take for its updates")
@@ -241,17 +251,29 @@ def main() -> None:
         if model != "tiny" and not (model in PRETRAINED and (pretrained_dir(model) / "config.json").exists()):
             print(f"{model}: skipped, not converted here (python -m learner.pretrained {model})", flush=True)
             continue
-        run = checkpoint_latency(settings, model, args)
-        checkpoints.append(run)
-        lat = list(run["loaded"].values())
-        p50, p99 = percentile(lat, 0.5), percentile(lat, 0.99)
-        goal = GOAL_CHECKPOINT_P50_S.get(model)
-        print(f"{model}: checkpoint announced -> generating, {len(lat)} versions (of {run['announced']} announced; "
-              f"{run['superseded']} superseded while an earlier one loaded): p50 {p50:.2f} s, p99 {p99:.2f} s, "
-              f"max {max(lat):.2f} s", flush=True)
-        figures += [Figure(f"{model}: checkpoint announced -> generating, p50", p50, "s",
-                           goal=f"≤ {goal:g} s" if goal else "", met=p50 <= goal if goal else None),
-                    Figure(f"{model}: checkpoint announced -> generating, p99", p99, "s")]
+        full: Optional[dict[str, Any]] = None
+        for precision in [p for p in args.precisions.split(",") if p]:
+            run = checkpoint_latency(settings, model, args, precision)
+            checkpoints.append(run)
+            lat = list(run["loaded"].values())
+            p50, p99 = percentile(lat, 0.5), percentile(lat, 0.99)
+            goal = GOAL_CHECKPOINT_P50_S.get(model)
+            label = model if precision == "fp32" else f"{model}, bf16 broadcast"
+            print(f"{label}: checkpoint announced -> generating, {len(lat)} versions (of {run['announced']} "
+                  f"announced; {run['superseded']} superseded while an earlier one loaded): p50 {p50:.2f} s, "
+                  f"p99 {p99:.2f} s, max {max(lat):.2f} s; {run['bytes_per_version'] / 1e6:.1f} MB downloaded "
+                  "per version", flush=True)
+            versus = full if precision != "fp32" else None  # the float32 run of the same model, just before
+            figures += [Figure(f"{label}: checkpoint announced -> generating, p50", p50, "s",
+                               ratio=p50 / versus["p50"] if versus else None,
+                               baseline="float32 weights" if versus else "",
+                               goal=f"≤ {goal:g} s" if goal else "", met=p50 <= goal if goal else None),
+                        Figure(f"{label}: checkpoint announced -> generating, p99", p99, "s"),
+                        Figure(f"{label}: weights downloaded per version", run["bytes_per_version"] / 1e6, "MB",
+                               ratio=run["bytes_per_version"] / versus["bytes"] if versus else None,
+                               baseline="float32 weights" if versus else "")]
+            if precision == "fp32":
+                full = {"p50": p50, "bytes": run["bytes_per_version"]}
     plot(batches, checkpoints, bench_dir() / "latency.png")
     record("bench_latency", f"episode -> batch: the realistic mix at {args.rate:,.0f} events/s for {args.seconds:g} s, "
            f"streams + shard writer ({BATCH} trajectories or {MAX_AGE_S:g} s a batch); checkpoint -> generating: "
