@@ -133,7 +133,8 @@ def plan(args: argparse.Namespace, ns: str) -> list[Service]:
                             "--warmup-updates", str(warmup_updates(args)),
                             "--max-policy-lag", "2", "--device", args.learner_device, "--keep-last",
                             str(args.keep_last), "--keep-every", str(args.keep_every), "--moments-every",
-                            str(args.moments_every), *sampling, *memory,
+                            str(args.moments_every), *(["--broadcast-bf16"] if args.broadcast_bf16 else []),
+                            *sampling, *memory,
                             *(["--init", args.init] if args.init else []), *model]),
         *teacher,
         *workers,
@@ -390,6 +391,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-every", type=int, default=0, help="with --keep-last: keep every N-th version too")
     p.add_argument("--moments-every", type=int, default=1,
                    help="learner: the optimizer state in every K-th checkpoint only (the others weights-only)")
+    p.add_argument("--broadcast-bf16", action="store_true",
+                   help="learner: each version also in bfloat16, what the rollout workers download (half the bytes)")
     p.add_argument("--sft-lr", type=float, default=1e-3)
     p.add_argument("--warmup-updates", type=int, default=None,
                    help="learner learning-rate warmup over the first N updates (default: a tenth of --sft-updates)")

@@ -148,3 +148,11 @@ def test_the_pretrained_preset_stores_the_optimizer_in_every_fifth_checkpoint_on
         learner = next(s for s in plan(apply_preset(parser().parse_args(argv), argv), "ns") if s.name == "learner")
         assert learner.argv[learner.argv.index("--moments-every") + 1] == str(every)
         assert learner_parser({}).parse_args(learner.argv[1:]).moments_every == every
+
+
+def test_a_demo_asked_for_a_bf16_broadcast_hands_it_to_the_learner_and_not_by_default() -> None:
+    from learner.settings import parser as learner_parser
+
+    for argv, wanted in ((["--broadcast-bf16"], True), ([], False)):
+        learner = next(s for s in plan(apply_preset(parser().parse_args(argv), argv), "ns") if s.name == "learner")
+        assert learner_parser({}).parse_args(learner.argv[1:]).broadcast_bf16 is wanted
