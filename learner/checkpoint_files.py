@@ -27,12 +27,11 @@ import torch
 from torch import Tensor, nn
 
 from schemas.errors import CheckpointError, IntegrityError
-from schemas.manifests import FileEntry
+from schemas.manifests import BROADCAST_FILE, WEIGHTS_FILE, FileEntry
 from schemas.packing import sha256_hex
 
-MODEL_FILE = "model.safetensors"
+MODEL_FILE = WEIGHTS_FILE
 CONFIG_FILE = "config.json"
-BROADCAST_FILE = "model.bf16.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 OPTIMIZER_META_FILE = "optimizer.json"
 TRAINER_STATE_FILE = "trainer_state.json"

@@ -20,14 +20,12 @@ from infra.objectstore import ObjectStore
 from infra.settings import Settings
 from schemas.codec import codec
 from schemas.errors import CheckpointError, DecodeError, IntegrityError, ManifestError, ObjectStoreError
-from schemas.manifests import CheckpointManifest
+from schemas.manifests import BROADCAST_FILE, WEIGHTS_FILE, CheckpointManifest
 from schemas.packing import sha256_hex
 from schemas.records import CheckpointPublished
 from schemas.topics import Topics
 
 log = logging.getLogger(__name__)
-WEIGHTS_FILE = "model.safetensors"
-BROADCAST_FILE = "model.bf16.safetensors"  # a learner's --broadcast-bf16: the weights rounded, half the bytes
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,10 @@ from typing import Any
 from schemas.errors import ManifestError
 
 CHECKPOINT_FORMAT = "trajpipe.checkpoint/1"
+# The weights a checkpoint's manifest lists: float32 always, and the bfloat16 copy of a learner's --broadcast-bf16,
+# which rollout workers following it load instead.
+WEIGHTS_FILE = "model.safetensors"
+BROADCAST_FILE = "model.bf16.safetensors"
 
 # The learner says this on stderr when it reached --max-updates: a supervisor reads it to know the run is over.
 LEARNER_FINISHED_LINE = "reached --max-updates"
