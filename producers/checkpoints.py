@@ -42,6 +42,7 @@ def fetch_verified(store: ObjectStore, event: CheckpointPublished, broadcast: bo
     """Download and verify a checkpoint's weights: its bfloat16 broadcast when the learner wrote one and
     `broadcast` (a worker following the learner), else the float32 weights; CheckpointError says what did not
     verify."""
+    from safetensors import SafetensorError
     from safetensors.torch import load as load_safetensors
 
     try:
@@ -57,7 +58,7 @@ def fetch_verified(store: ObjectStore, event: CheckpointPublished, broadcast: bo
         weights = load_safetensors(data)
     except (IntegrityError, ManifestError, ObjectStoreError) as exc:
         raise CheckpointError(f"checkpoint v{event.version} refused: {exc}") from exc
-    except Exception as exc:  # safetensors raises its own SafetensorError for a header it cannot read
+    except SafetensorError as exc:
         raise CheckpointError(f"checkpoint v{event.version} refused: {name} is not readable safetensors: {exc}") from exc
     return VerifiedCheckpoint(event.version, weights, event, manifest, name, len(data))
 
