@@ -76,7 +76,8 @@ class Settings:
             )
         settings = cls(
             kafka_bootstrap=env.get("TRAJPIPE_KAFKA_BOOTSTRAP") or local_kafka_bootstrap(env),
-            s3_endpoint=env.get("TRAJPIPE_S3_ENDPOINT", f"127.0.0.1:{DEFAULT_MINIO_PORT}"),
+            # the local MinIO where `infra up` started it (TRAJPIPE_MINIO_PORT moves it, as Kafka's port moves)
+            s3_endpoint=env.get("TRAJPIPE_S3_ENDPOINT") or f"127.0.0.1:{env.get('TRAJPIPE_MINIO_PORT') or DEFAULT_MINIO_PORT}",
             s3_access_key=access,
             s3_secret_key=secret,
             s3_secure=env.get("TRAJPIPE_S3_SECURE", "0").lower() in ("1", "true", "yes"),

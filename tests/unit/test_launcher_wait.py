@@ -86,3 +86,21 @@ def test_ports_side_by_side_are_accepted(tmp_path: Path) -> None:
     assert [n.port for n in launcher.kafka_nodes] == [30000, 30002, 30004] and launcher.minio.port == 30006
     with pytest.raises(InfraError, match=r"Kafka needs ports 65534..65537, outside 1..65535"):
         Launcher(state_dir=tmp_path / "state", kafka_port=65534, minio_port=30000, brokers=2)
+
+
+def test_services_find_the_servers_up_started_on_the_ports_the_environment_moved(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`infra up` with TRAJPIPE_KAFKA_PORT and TRAJPIPE_MINIO_PORT (what a taken port's error tells a user to set)
+    starts the servers there; a service started in the same environment must look there too, MinIO included
+    (it went to the default port and retried a connection nobody answered)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "minio.env").write_text("MINIO_ROOT_USER=u1\nMINIO_ROOT_PASSWORD=p1\n")
+    env = {"TRAJPIPE_STATE_DIR": str(state), "TRAJPIPE_KAFKA_PORT": "30000", "TRAJPIPE_MINIO_PORT": "30006"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    started = Launcher().settings()
+    assert (started.kafka_bootstrap, started.s3_endpoint) == ("127.0.0.1:30000", "127.0.0.1:30006")
+    assert Settings.from_env(env) == started
+    # an endpoint set outright still wins
+    assert Settings.from_env({**env, "TRAJPIPE_S3_ENDPOINT": "minio:9000"}).s3_endpoint == "minio:9000"
