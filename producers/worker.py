@@ -165,7 +165,8 @@ class RolloutWorker:
             self.stats.checkpoint_bytes += ready.size
             # generation with it starts now: the step that follows this call
             self.stats.load_latencies.append((ready.version, max(0.0, time.time() - ready.event.ts / 1000)))
-            print(f"[{self.settings.producer_id}] loaded policy v{ready.version}", file=sys.stderr, flush=True)
+            print(f"[{self.settings.producer_id}] loaded policy v{ready.version} ({ready.file}, "
+                  f"{ready.size / 1e6:.1f} MB)", file=sys.stderr, flush=True)
 
     def wait_until_fresh(self) -> None:
         """Pause generation while this policy is more than max_policy_lag versions behind (no wasted rollouts)."""
