@@ -135,7 +135,8 @@ def plan(args: argparse.Namespace, ns: str) -> list[Service]:
                             str(args.keep_last), "--keep-every", str(args.keep_every), "--moments-every",
                             str(args.moments_every), *(["--broadcast-bf16"] if args.broadcast_bf16 else []),
                             *sampling, *memory,
-                            *(["--init", args.init] if args.init else []), *model]),
+                            *(["--init", args.init] if args.init else []),
+                            *(["--init-moments"] if args.init_moments else []), *model]),
         *teacher,
         *workers,
         Service("monitor", ["consumers.monitor", "--ns", ns, "--no-tui", "--port", str(args.monitor_port)]),
@@ -355,6 +356,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--init", default=None, metavar="RUN:vK",
                    help="start from that checkpoint's weights (verified) as this run's v0, e.g. a finished demo's "
                         "last version; with --sft-updates 0 the rollout workers start at once")
+    p.add_argument("--init-moments", action="store_true",
+                   help="with --init: carry that checkpoint's Adam moments too (an RL phase from a post-SFT version "
+                        "as the demo runs it after its own SFT phase)")
     p.add_argument("--curriculum", type=int, default=0,
                    help="rollout workers skip tasks (after N attempts) and domains (after 4N) always or never solved; "
                         "0: off")
@@ -466,7 +470,10 @@ def free_port(wanted: int) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     signal.signal(signal.SIGTERM, interrupt)
-    args = apply_preset(parser().parse_args(argv), argv)
+    cli = parser()
+    args = apply_preset(cli.parse_args(argv), argv)
+    if args.init_moments and args.init is None:
+        cli.error("--init-moments carries the moments of --init's checkpoint: give --init RUN:vK too")
     args.monitor_port = free_port(args.monitor_port)
     prepare_model(args)
     console.print("starting Kafka and MinIO (fetched once into the cache dir)…")

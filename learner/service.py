@@ -32,6 +32,7 @@ from learner.checkpoint_files import (
     load_model_tensors,
     model_tensors,
     read_checkpoint,
+    unflatten_optimizer_state,
     write_checkpoint,
 )
 from infra.faults import fault_point
@@ -325,13 +326,21 @@ class LearnerService(PolicyHolder):
               f"{self.updates} updates): {verdict}", file=sys.stderr, flush=True)
 
     def start_from_init(self) -> str:
-        """--init RUN:vK: that checkpoint's weights (verified) become this run's v0, with a fresh optimizer."""
+        """--init RUN:vK: that checkpoint's weights (verified) become this run's v0, with a fresh optimizer, or
+        with --init-moments its Adam moments under this run's learning rate (v0 stores them: other ranks and a
+        resume read them there)."""
         run, version = self.s.init_from or ("", 0)
         state = read_checkpoint(checkpoint_store.load_version(self.store, run, version).files)
+        if self.s.init_moments and state.optimizer is None:
+            raise CheckpointError(f"--init-moments: {run}:v{version} carries no optimizer state (a weights-only "
+                                  "version, --moments-every): name a version that does, or drop --init-moments")
         self.model = model_from_config(state.model_config).to(self.device)
         load_model_tensors(self.model, state.model)
         self.reference = None  # the anchor is v0: these weights, not the ones built before
         self.trainer = self.make_trainer(self.phase_algorithm(0))
+        if self.s.init_moments:
+            self.trainer.load_optimizer_state(unflatten_optimizer_state(state.moments()))
+            return f"the weights and Adam moments of {run}:v{version}"
         return f"the weights of {run}:v{version}"
 
     # ---- checkpoints ---------------------------------------------------------------------------

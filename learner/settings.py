@@ -66,6 +66,7 @@ class LearnerSettings:
     fsdp: bool = False  # under torchrun: FSDP2 shards weights, gradients and Adam moments over the ranks
     device: str = "auto"  # auto: cuda when available, else cpu
     init: str | None = None  # "RUN:vK": start from run RUN's checkpoint K; its trajectories' lag counts from there
+    init_moments: bool = False  # with init: carry that checkpoint's Adam moments too (else a fresh optimizer)
     replica_of: tuple[str, ...] = ()  # runs whose versions are this run's own (a rebuild of them)
     keep_last: int = 0  # retention: keep the files of the last K versions (0: keep every version)
     keep_every: int = 0  # ... and of every N-th one (0: none besides v0 and the reference)
@@ -78,6 +79,8 @@ class LearnerSettings:
         if self.init is not None:
             parse_init(self.init, self.ns)
         checks = [
+            (not self.init_moments or self.init is not None, "--init-moments carries the moments of --init's "
+                                                             "checkpoint: give --init RUN:vK too"),
             (self.updates_per_checkpoint >= 1, "--updates-per-checkpoint must be >= 1"),
             (self.sft_updates_per_checkpoint is None or self.sft_updates_per_checkpoint >= 1,
              "--sft-updates-per-checkpoint must be >= 1 (or omit it)"),
@@ -209,6 +212,9 @@ def parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
     p.add_argument("--init", default=None, metavar="RUN:vK",
                    help="start from run RUN's checkpoint K (retraining from its history): the policy lag of RUN's "
                         "trajectories is measured from there, by the versions that generated them")
+    p.add_argument("--init-moments", action="store_true",
+                   help="with --init: also carry that checkpoint's Adam moments (under this run's --lr), as the "
+                        "demo carries them from SFT into RL; default: a fresh optimizer")
     p.add_argument("--keep-last", type=int, default=0, metavar="K",
                    help="retention: delete the weights and optimizer of versions older than the last K (0: keep all); "
                         "v0, the reference, every --keep-every-th and each manifest stay")
@@ -264,6 +270,7 @@ def from_args(argv: list[str] | None = None, env: Optional[Mapping[str, str]] = 
         cache_bytes=a.cache_bytes, grad_checkpointing=a.grad_checkpointing, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm,
         clip_eps_high=a.clip_eps_high, beta=a.beta, loss_agg=a.loss_agg, lag_decay=a.lag_decay,
         sft_min_reward=a.sft_min_reward, cpu_bf16=a.cpu_bf16, fsdp=a.fsdp, device=a.device, init=a.init,
+        init_moments=a.init_moments,
         replica_of=tuple(a.replica_of), keep_last=a.keep_last, keep_every=a.keep_every,
         foreground_checkpoints=a.foreground_checkpoints, moments_every=a.moments_every,
         broadcast_bf16=a.broadcast_bf16,
@@ -302,6 +309,8 @@ def shaping_args(s: LearnerSettings) -> list[str]:
         args.append("--fsdp")
     if s.init is not None:
         args += ["--init", s.init]
+    if s.init_moments:
+        args.append("--init-moments")
     for run in s.replica_of:
         args += ["--replica-of", run]
     return args

@@ -21,6 +21,7 @@ from infra.kafka import Publisher, read_topic
 from infra.objectstore import ObjectStore
 from infra.settings import Settings
 from learner import checkpoint_store
+from learner.checkpoint_files import read_checkpoint
 from schemas import codec
 from schemas.keys import batch_id, shard_key
 from schemas.manifests import CheckpointManifest
@@ -246,7 +247,6 @@ def test_an_exported_checkpoint_loads_with_from_pretrained_and_generates_as_the_
         stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from learner.checkpoint_files import read_checkpoint
     from learner.service import model_from_config
     from producers.policy.tokenizer import PolicyTokenizer, load_hf_tokenizer
 
@@ -508,6 +508,41 @@ def test_retraining_history_from_a_named_checkpoint_measures_lag_in_the_source_r
     assert f"lineage: {retrain.ns}:v0 <- {topics.ns}:v2" in proc.stderr
     after = learner_counts(stack, retrain)
     assert after["policy_lag/3-4"] > 4 and after["skipped/foreign"] == 0 and after["policy_lag/ahead"] == 0
+
+
+def stored_optimizer(store: ObjectStore, ns: str, version: int) -> Any:
+    return read_checkpoint(checkpoint_store.load_version(store, ns, version).files).optimizer
+
+
+def test_init_moments_carries_the_named_checkpoints_adam_moments_under_the_new_runs_learning_rate(
+        stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
+    flags = ("--updates-per-checkpoint", "1", "--max-policy-lag", "99", "--moments-every", "3")
+    publish_batches(stack, store, topics, 5)  # the source run: v0..v5, moments in v0, v3 and v5 (its last)
+    assert run_learner(stack, topics.ns, tmp_path, None, *flags).returncode == 0
+    source = stored_optimizer(store, topics.ns, 3)
+    assert source is not None and stored_optimizer(store, topics.ns, 2) is None
+    runs = {name: Topics(f"{topics.ns}-{name}", partitions=1) for name in ("moments", "fresh", "weights-only")}
+    for t in runs.values():
+        bootstrap(stack, t.ns, partitions=1)
+
+    def retrain(name: str, *extra: str) -> subprocess.CompletedProcess[str]:
+        return run_learner(stack, runs[name].ns, tmp_path, None, "--idle-exit", "1", "--lr", "5e-4", *extra)
+
+    proc = retrain("moments", "--init", f"{topics.ns}:v3", "--init-moments")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"the weights and Adam moments of {topics.ns}:v3" in proc.stderr
+    carried = stored_optimizer(store, runs["moments"].ns, 0)  # v0 stores them: other ranks and a resume read them
+    assert carried.tensors.keys() == source.tensors.keys() and any("exp_avg_sq" in k for k in carried.tensors)
+    assert all(carried.tensors[k].equal(source.tensors[k]) for k in source.tensors)
+    assert carried.meta["scalars"] == source.meta["scalars"]  # Adam's step counts: its bias correction goes on
+    assert [g["lr"] for g in carried.meta["param_groups"]] == [5e-4] and source.meta["param_groups"][0]["lr"] == 1e-3
+    # Without the flag, v0 starts a fresh Adam, as before.
+    assert retrain("fresh", "--init", f"{topics.ns}:v3").returncode == 0
+    assert stored_optimizer(store, runs["fresh"].ns, 0).tensors == {}
+    # A weights-only version has no moments to carry: a clear error, and nothing published.
+    proc = retrain("weights-only", "--init", f"{topics.ns}:v2", "--init-moments")
+    assert proc.returncode != 0 and f"--init-moments: {topics.ns}:v2 carries no optimizer state" in proc.stderr
+    assert not store.list(f"checkpoints/{runs['weights-only'].ns}/")
 
 
 RETAIN = ("--updates-per-checkpoint", "1", "--max-policy-lag", "99", "--keep-last", "2", "--keep-every", "3")
