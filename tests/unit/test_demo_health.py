@@ -137,6 +137,20 @@ def test_a_demo_started_from_a_checkpoint_hands_it_to_the_learner() -> None:
     assert "demonstrations" not in services and services["producer-0"].when == "start"
     default = {s.name: s for s in plan(apply_preset(parser().parse_args([]), []), "ns")}
     assert "--init" not in default["learner"].argv
+    assert "--init-moments" not in learner and "--init-moments" not in default["learner"].argv
+
+
+def test_a_demo_asked_to_carry_the_moments_hands_the_flag_to_the_learner_and_refuses_it_without_init(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from infra.demo import main
+    from learner.settings import parser as learner_parser
+
+    argv = ["--init", "demo1:v5", "--init-moments", "--sft-updates", "0"]
+    learner = {s.name: s for s in plan(apply_preset(parser().parse_args(argv), argv), "ns")}["learner"].argv
+    assert learner_parser({}).parse_args(learner[1:]).init_moments
+    with pytest.raises(SystemExit) as exit_:
+        main(["--init-moments", "--sft-updates", "0"])
+    assert exit_.value.code == 2 and "give --init RUN:vK too" in capsys.readouterr().err
 
 
 def test_the_pretrained_preset_stores_the_optimizer_in_every_fifth_checkpoint_only() -> None:
