@@ -2,12 +2,20 @@
 number of trajectories: held-out greedy success at equal trajectories and at equal wall time.
 
     python tests/benchmarks/bench_learning.py [--sft-updates 100 --rl-updates 80]   # ~25 minutes on 2 cores
+    python tests/benchmarks/bench_learning.py --init RUN:v5 --repeats 3             # the RL phase only, ~35 minutes
 
 The pipeline side is the demo (`python -m infra demo`, every service a process, evaluation through the
 pipeline). The synchronous side calls the same code in turn in one process: demonstrations -> assembly ->
 reward -> SFT updates, then generate -> assembly -> reward -> group advantages -> GRPO update, with the same
 model, learning rates, batch size and checkpoint schedule, evaluating the same versions on the same
 held-out tasks. Both curves go to runs/bench/learning.png. Figures only; nothing is asserted.
+
+With --init RUN:vK both sides run only the RL phase, from that checkpoint's weights and Adam moments (a post-SFT
+version: the demo's `--init RUN:vK --init-moments --sft-updates 0`), --repeats times each, taking turns (the
+loop with data order and sampling seed r, then the pipeline). Asynchrony is the pipeline's one difference in
+that phase; the runs' spread says how much of a gap is noise. Each run's greedy and sampled finals, each side's
+mean with its 95% t interval over runs, and the difference of the means with its Welch interval; the curves go to
+runs/bench/learning_rl.png.
 """
 from __future__ import annotations
 
@@ -28,8 +36,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from infra.demo import GOAL_FINAL, GOAL_RL_GAIN, sft_version  # noqa: E402
+from infra.settings import Settings  # noqa: E402
+from infra.objectstore import ObjectStore  # noqa: E402
+from learner import checkpoint_store  # noqa: E402
+from learner.checkpoint_files import CheckpointState, load_model_tensors, read_checkpoint, unflatten_optimizer_state  # noqa: E402
 from learner.eval import wilson  # noqa: E402
 from learner.model import build_policy  # noqa: E402
+from learner.settings import parse_init  # noqa: E402
 from learner.update import TrainConfig, Trainer  # noqa: E402
 from producers.demonstrations import demonstration_events  # noqa: E402
 from producers.episodes import EpisodeRunner  # noqa: E402
@@ -48,11 +61,17 @@ BATCH, GROUP, PROMPTS, NEW_TOKENS, LAYERS, WIDTH = 64, 8, 8, 8, 4, 256
 
 
 class Synchronous:
-    def __init__(self, args: argparse.Namespace) -> None:
+    """The loop; `seed` sets its data order and sampling; `init`: start from these weights and Adam moments."""
+
+    def __init__(self, args: argparse.Namespace, seed: int = 0, init: CheckpointState | None = None) -> None:
         torch.set_num_threads(2)
         self.args = args
         self.policy = build_policy(layers=LAYERS, width=WIDTH, seed=0)
-        self.backend = make_backend("transformers", None, seed=0, config=tiny_llama_config(layers=LAYERS, width=WIDTH))
+        self.moments = None
+        if init is not None:
+            load_model_tensors(self.policy, init.model)
+            self.moments = unflatten_optimizer_state(init.moments())
+        self.backend = make_backend("transformers", None, seed=seed, config=tiny_llama_config(layers=LAYERS, width=WIDTH))
         self.sync_weights(0)
         source = load_source("reverse", seed=0)
         self.train, held = SplitSource(source, "train"), SplitSource(source, "heldout")
@@ -62,7 +81,7 @@ class Synchronous:
         settings = WorkerSettings(ns="sync", producer_id="sync", group_size=GROUP, prompts_per_step=PROMPTS,
                                   max_new_tokens=NEW_TOKENS, temperature=1.0)
         self.runner = EpisodeRunner(self.backend, None, self.events.append, settings)  # type: ignore[arg-type]
-        self.rng = random.Random(0)
+        self.rng = random.Random(seed)
         self.curve: list[dict[str, float]] = []
         self.started = time.perf_counter()
         self.eval_s = 0.0
@@ -72,14 +91,15 @@ class Synchronous:
 
     def evaluate(self, version: int, trajectories: int) -> None:
         started = time.perf_counter()
-        gens = self.backend.generate([t.prompt for t in self.heldout], 1, Sampling(temperature=0.0,
-                                                                                   max_new_tokens=NEW_TOKENS))
-        wins = sum(g[0].text.strip().split("\n")[0].strip() == t.spec["answer"] for g, t in zip(gens, self.heldout))
-        low, high = wilson(wins, len(self.heldout))
+        point: dict[str, float] = {"version": version, "trajectories": trajectories}
+        for mode, temperature in (("", 0.0), ("sampled_", 1.0)) if self.args.init else (("", 0.0),):
+            gens = self.backend.generate([t.prompt for t in self.heldout], 1,
+                                         Sampling(temperature=temperature, max_new_tokens=NEW_TOKENS))
+            wins = sum(g[0].text.strip().split("\n")[0].strip() == t.spec["answer"] for g, t in zip(gens, self.heldout))
+            low, high = wilson(wins, len(self.heldout))
+            point.update({f"{mode}success": wins / len(self.heldout), f"{mode}ci_low": low, f"{mode}ci_high": high})
         self.eval_s += time.perf_counter() - started
-        self.curve.append({"version": version, "trajectories": trajectories, "success": wins / len(self.heldout),
-                           "ci_low": low, "ci_high": high,
-                           "seconds": time.perf_counter() - self.started - self.eval_s})
+        self.curve.append({**point, "seconds": time.perf_counter() - self.started - self.eval_s})
 
     def run(self) -> list[dict[str, float]]:
         a, version, seen = self.args, 0, 0
@@ -96,7 +116,7 @@ class Synchronous:
                 self.sync_weights(version)
                 self.evaluate(version, seen)
         rl = Trainer(self.policy, TrainConfig(algorithm="grpo", lr=a.lr))
-        rl.load_optimizer_state(trainer.optimizer.state_dict())
+        rl.load_optimizer_state(self.moments if self.moments is not None else trainer.optimizer.state_dict())
         for update in range(1, a.rl_updates + 1):
             batch: list[Trajectory] = []
             while len(batch) < BATCH * a.rl_batches_per_update:
@@ -114,8 +134,9 @@ class Synchronous:
 
 
 def pipeline(args: argparse.Namespace) -> list[dict[str, float]]:
-    ns = f"bench-learning-{time.strftime('%H%M%S')}"
-    cmd = [sys.executable, "-m", "infra", "demo", "--ns", ns, "--sft-updates", str(args.sft_updates), "--rl-updates",
+    ns = f"bench-learning-{'rl-' if args.init else ''}{time.strftime('%H%M%S')}"
+    init = ["--init", args.init, "--init-moments"] if args.init else []
+    cmd = [sys.executable, "-m", "infra", "demo", "--ns", ns, *init, "--sft-updates", str(args.sft_updates), "--rl-updates",
            str(args.rl_updates), "--sft-lr", str(args.sft_lr), "--lr", str(args.lr), "--warmup-updates",
            str(args.warmup_updates), "--rl-batches-per-update", str(args.rl_batches_per_update),
            "--updates-per-checkpoint", str(args.updates_per_checkpoint), "--sft-updates-per-checkpoint",
@@ -124,6 +145,7 @@ def pipeline(args: argparse.Namespace) -> list[dict[str, float]]:
     subprocess.run(cmd, check=False)
     results = json.loads((Path("runs/bench") / ns / "eval.json").read_text())
     sft_v = sft_version(args)
+    sampled = {r["version"]: r for r in results if r["mode"] == "sampled"}
     curve = []
     for r in results:
         if r["mode"] != "greedy":
@@ -131,7 +153,10 @@ def pipeline(args: argparse.Namespace) -> list[dict[str, float]]:
         v = r["version"]
         sft = min(v * args.sft_updates_per_checkpoint, args.sft_updates)
         rl = min(max(0, v - sft_v) * args.updates_per_checkpoint, args.rl_updates)
-        curve.append({**r, "trajectories": (sft + rl * args.rl_batches_per_update) * BATCH})
+        point = {**r, "trajectories": (sft + rl * args.rl_batches_per_update) * BATCH}
+        if v in sampled:
+            point.update({f"sampled_{k}": sampled[v][k] for k in ("success", "ci_low", "ci_high")})
+        curve.append(point)
     return sorted(curve, key=lambda r: r["version"])
 
 
@@ -169,6 +194,112 @@ def figures(sync: list[dict[str, float]], pipe: list[dict[str, float]], args: ar
     ]
 
 
+# Student's t at 97.5% (a two-sided 95% interval) by degrees of freedom; past 30, the normal's.
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def t975(df: float) -> float:
+    """The 97.5% quantile of Student's t at `df` degrees of freedom (rounded down to the nearest tabled row)."""
+    rows = [d for d in T975 if d <= max(1.0, df)]
+    return T975[max(rows)] if df <= 30 else 1.96
+
+
+def mean_ci(values: list[float]) -> tuple[float, float, float]:
+    """The mean of runs' figures and its 95% t interval (nothing but the mean for one run)."""
+    n, mean = len(values), sum(values) / len(values)
+    if n < 2:
+        return mean, mean, mean
+    half = t975(n - 1) * (sum((v - mean) ** 2 for v in values) / (n - 1) / n) ** 0.5
+    return mean, mean - half, mean + half
+
+
+def welch(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """mean(a) - mean(b) with its 95% Welch interval: the runs of each side vary by their own amount."""
+    def var_of_mean(xs: list[float]) -> float:
+        m = sum(xs) / len(xs)
+        return sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs) if len(xs) > 1 else 0.0
+
+    diff = sum(a) / len(a) - sum(b) / len(b)
+    va, vb = var_of_mean(a), var_of_mean(b)
+    if va + vb == 0:
+        return diff, diff, diff
+    df = (va + vb) ** 2 / sum(v * v / (len(xs) - 1) for v, xs in ((va, a), (vb, b)) if len(xs) > 1)
+    half = t975(df) * (va + vb) ** 0.5
+    return diff, diff - half, diff + half
+
+
+def init_state(args: argparse.Namespace) -> CheckpointState:
+    run, version = parse_init(args.init, "bench-learning")
+    state = read_checkpoint(checkpoint_store.load_version(ObjectStore(Settings.from_env()), run, version).files)
+    state.moments()  # a weights-only version: CheckpointError now, not after the first loop
+    return state
+
+
+def plot_rl(loops: list[list[dict[str, float]]], pipes: list[list[dict[str, float]]], path: Path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, mode in ((axes[0], ""), (axes[1], "sampled_")):
+        for name, runs, colour in (("synchronous loop", loops, "tab:blue"), ("streaming pipeline", pipes, "tab:orange")):
+            # The demo evaluates sampled only its first and last versions; the loop every point.
+            measured = [[p for p in curve if f"{mode}success" in p] for curve in runs]
+            for i, curve in enumerate(measured):
+                ax.plot([p["trajectories"] for p in curve], [p[f"{mode}success"] for p in curve], marker="o",
+                        color=colour, alpha=0.35, lw=1, label=f"{name} (each run)" if i == 0 else None)
+            points = sorted({p["trajectories"] for c in measured for p in c})
+            means = [sum(p[f"{mode}success"] for c in measured for p in c if p["trajectories"] == x) /
+                     sum(1 for c in measured for p in c if p["trajectories"] == x) for x in points]
+            ax.plot(points, means, color=colour, lw=2.5, label=f"{name} (mean of {len(runs)})")
+        ax.set(xlabel="RL trajectories trained on", title=f"held-out {'sampled' if mode else 'greedy'} success",
+               ylim=(-0.02, 1.02))
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out success (256 tasks)")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def rl_phase(args: argparse.Namespace, started: float) -> None:
+    """Both sides' RL phase from one checkpoint, --repeats runs each, taking turns."""
+    state = init_state(args)
+    loops: list[list[dict[str, float]]] = []
+    pipes: list[list[dict[str, float]]] = []
+    for r in range(args.repeats):
+        loops.append(Synchronous(args, seed=r, init=state).run())
+        print(f"run {r + 1}/{args.repeats}: synchronous final greedy {loops[-1][-1]['success']:.3f}, sampled "
+              f"{loops[-1][-1]['sampled_success']:.3f}", flush=True)
+        pipes.append(pipeline(args))
+        print(f"run {r + 1}/{args.repeats}: pipeline final greedy {pipes[-1][-1]['success']:.3f}, sampled "
+              f"{pipes[-1][-1].get('sampled_success', float('nan')):.3f}", flush=True)
+    plot_rl(loops, pipes, Path("runs/bench/learning_rl.png"))
+    figures: list[Figure] = []
+    for mode, label in (("", "greedy"), ("sampled_", "sampled")):
+        finals = {name: [c[-1][f"{mode}success"] for c in runs] for name, runs in (("loop", loops), ("pipe", pipes))}
+        start = {name: sum(c[0][f"{mode}success"] for c in runs) / len(runs) for name, runs in (("loop", loops),
+                                                                                                ("pipe", pipes))}
+        for name, side in (("loop", "synchronous loop"), ("pipe", "pipeline")):
+            m, lo, hi = mean_ci(finals[name])
+            runs = ", ".join(f"{v:.3f}" for v in finals[name])
+            print(f"{side:>16} {label:>7}: {start[name]:.3f} -> {m:.3f} [{lo:.3f}, {hi:.3f}] ({runs})")
+            figures.append(Figure(f"{side}: final held-out {label} success, mean of {len(finals[name])} runs", m,
+                                  f"[{lo:.3f}, {hi:.3f}] (runs {runs}; from {start[name]:.3f})",
+                                  m / max(mean_ci(finals['loop'])[0], 1e-9) if name == "pipe" else None,
+                                  "synchronous" if name == "pipe" else ""))
+        d, lo, hi = welch(finals["pipe"], finals["loop"])
+        print(f"{'pipeline - loop':>16} {label:>7}: {d:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+        figures.append(Figure(f"pipeline minus loop, final {label} success", d, f"[{lo:+.3f}, {hi:+.3f}] (Welch 95%)",
+                              goal="≥ 0 within the interval (no loss to asynchrony)", met=hi >= 0))
+    seconds = {name: mean_ci([c[-1]["seconds"] for c in runs])[0] for name, runs in (("loop", loops), ("pipe", pipes))}
+    figures.append(Figure("pipeline: training wall time of the RL phase", seconds["pipe"], "s",
+                          seconds["pipe"] / max(seconds["loop"], 1e-9), "synchronous"))
+    print(f"wall time of the RL phase: loop {seconds['loop']:.0f} s, pipeline {seconds['pipe']:.0f} s")
+    print("curves: runs/bench/learning_rl.png")
+    record("bench_learning_rl", f"reverse, tiny Llama {LAYERS}x{WIDTH}: {args.rl_updates} GRPO updates of "
+           f"{BATCH * args.rl_batches_per_update} trajectories from {args.init} (weights and Adam moments), "
+           f"{args.repeats} runs a side taking turns; the pipeline side is `python -m infra demo --init "
+           f"{args.init} --init-moments --sft-updates 0`", figures, started)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sft-updates", type=int, default=100, help="as the demo")
@@ -181,10 +312,18 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--eval-episodes", type=int, default=256)
     p.add_argument("--warmup-updates", type=int, default=None, help="default: a tenth of --sft-updates, as the demo")
+    p.add_argument("--init", default=None, metavar="RUN:vK",
+                   help="the RL phase only, both sides from that checkpoint's weights and Adam moments (a post-SFT "
+                        "version, e.g. a demo's v5)")
+    p.add_argument("--repeats", type=int, default=3, help="with --init: runs a side")
     args = p.parse_args()
     started = time.monotonic()
+    if args.init:
+        args.sft_updates = 0
     if args.warmup_updates is None:
         args.warmup_updates = args.sft_updates // 10
+    if args.init:
+        return rl_phase(args, started)
     sync = Synchronous(args).run()
     pipe = pipeline(args)
     plot(sync, pipe, Path("runs/bench/learning.png"))
