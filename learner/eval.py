@@ -33,9 +33,10 @@ from schemas.records import Trajectory
 from schemas.topics import Topics
 
 Z95 = 1.959964
+EVAL_SEED = 1234  # the evaluation worker's seed: which held-out tasks it draws, in which order
 
 
-def wilson(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+def wilson(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
     """The Wilson score interval of a success rate: sound near 0 and 1, where the normal one is not."""
     if n == 0:
         return 0.0, 1.0
@@ -43,6 +44,11 @@ def wilson(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def wilson_at(rate: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson interval of a success rate measured on `n` independent units (for example tasks)."""
+    return wilson(rate * n, n, z)
 
 
 @dataclass(frozen=True)
@@ -81,9 +87,13 @@ def outcome_ok(t: Trajectory) -> bool:
 
 
 def summarise(version: int, mode: str, trajectories: list[Trajectory]) -> EvalResult:
+    """Success and its Wilson interval. Several samples of one task are not independent draws: with more than
+    one episode a task (sampled mode's --group-size > 1) the interval counts tasks, not episodes (at the rate the
+    episodes give), which never claims more certainty than the tasks hold."""
     n = len(trajectories)
     wins = sum(map(outcome_ok, trajectories))
-    low, high = wilson(wins, n)
+    tasks = len({t.task_id for t in trajectories})
+    low, high = wilson(wins, n) if tasks == n else wilson_at(wins / max(1, n), tasks)
     share = 1 / max(1, n)
     return EvalResult(version=version, mode=mode, episodes=n, successes=wins, success=wins * share, ci_low=low,
                       ci_high=high, single_step=sum(map(first_attempt_ok, trajectories)) * share,
@@ -194,10 +204,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="greedy,sampled", help="greedy (one sample per task), sampled, or both")
     p.add_argument("--sources", default="reverse")
     p.add_argument("--episodes", type=int, default=256, help="held-out episodes per version and mode")
-    p.add_argument("--group-size", type=int, default=4, help="samples per task in sampled mode")
+    p.add_argument("--group-size", type=int, default=1,
+                   help="samples per task in sampled mode (1: the greedy mode's tasks, each once; more: fewer tasks, "
+                        "and the interval counts tasks)")
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--temperature", type=float, default=1.0, help="of sampled mode: the training temperature")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=int, default=EVAL_SEED, help="which held-out tasks are drawn (both modes draw the same)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--keep", action="store_true", help="keep the evaluation namespace's topics (default: deleted)")
     p.add_argument("--json", action="store_true")

@@ -71,6 +71,15 @@ def context_limit(backend: PolicyBackend, default: int = 2048) -> int:
     return int(getattr(config, "max_position_embeddings", default) or default)
 
 
+def task_mixer(s: WorkerSettings) -> TaskMixer:
+    """The tasks a worker with these settings draws, in its order: its sources' side of the split, seeded by its
+    --seed (an evaluation worker's held-out tasks are the first --episodes of them)."""
+    sources = [SplitSource(seeded_source(name, s.seed), s.split) for name in environments.expand(expand(list(s.sources)))]
+    curriculum = Curriculum(s.curriculum_min_attempts, 4 * s.curriculum_min_attempts, s.curriculum_probe) \
+        if s.curriculum_min_attempts else None
+    return TaskMixer(sources, s.weights or None, seed=s.seed, curriculum=curriculum)
+
+
 class RolloutWorker:
     def __init__(self, settings: WorkerSettings, platform: Settings,
                  backend: Optional[PolicyBackend] = None) -> None:
@@ -108,11 +117,7 @@ class RolloutWorker:
         return make_backend(s.backend, None, seed=s.seed, config=tiny_llama_config(layers=s.layers, width=s.width))
 
     def _mixer(self) -> TaskMixer:
-        s = self.settings
-        sources = [SplitSource(seeded_source(name, s.seed), s.split) for name in environments.expand(expand(list(s.sources)))]
-        curriculum = Curriculum(s.curriculum_min_attempts, 4 * s.curriculum_min_attempts, s.curriculum_probe) \
-            if s.curriculum_min_attempts else None
-        return TaskMixer(sources, s.weights or None, seed=s.seed, curriculum=curriculum)
+        return task_mixer(self.settings)
 
     def load_initial(self, platform: Settings, spec: str) -> None:
         """Start from a published checkpoint (evaluation of a version, or a warm fleet restart)."""

@@ -40,7 +40,7 @@ from infra.settings import Settings  # noqa: E402
 from infra.objectstore import ObjectStore  # noqa: E402
 from learner import checkpoint_store  # noqa: E402
 from learner.checkpoint_files import CheckpointState, load_model_tensors, read_checkpoint, unflatten_optimizer_state  # noqa: E402
-from learner.eval import wilson  # noqa: E402
+from learner.eval import EVAL_SEED, wilson  # noqa: E402
 from learner.model import build_policy  # noqa: E402
 from learner.settings import parse_init  # noqa: E402
 from learner.update import TrainConfig, Trainer  # noqa: E402
@@ -49,6 +49,8 @@ from producers.episodes import EpisodeRunner  # noqa: E402
 from producers.policy import make_backend  # noqa: E402
 from producers.policy.interface import Sampling  # noqa: E402
 from producers.settings import WorkerSettings  # noqa: E402
+from producers.tasks.task import Task  # noqa: E402
+from producers.worker import task_mixer  # noqa: E402
 from producers.tasks import load_source  # noqa: E402
 from producers.tasks.split import SplitSource  # noqa: E402
 from schemas.models import tiny_llama_config  # noqa: E402
@@ -58,6 +60,14 @@ from tests.benchmarks.bench_e2e import score_events, to_trajectories  # noqa: E4
 from tests.benchmarks.report import Figure, record  # noqa: E402
 
 BATCH, GROUP, PROMPTS, NEW_TOKENS, LAYERS, WIDTH = 64, 8, 8, 8, 4, 256
+
+
+def eval_tasks(episodes: int) -> list[Task]:
+    """The held-out tasks `python -m learner.eval` draws (its worker's order and seed), so both sides are measured
+    on the same tasks; each mode takes each once."""
+    drawn = task_mixer(WorkerSettings(ns="eval", producer_id="eval", sources=("reverse",), split="heldout",
+                                      seed=EVAL_SEED))
+    return [drawn.next() for _ in range(episodes)]
 
 
 class Synchronous:
@@ -74,8 +84,8 @@ class Synchronous:
         self.backend = make_backend("transformers", None, seed=seed, config=tiny_llama_config(layers=LAYERS, width=WIDTH))
         self.sync_weights(0)
         source = load_source("reverse", seed=0)
-        self.train, held = SplitSource(source, "train"), SplitSource(source, "heldout")
-        self.heldout = [held[i] for i in range(min(args.eval_episodes, len(held)))]
+        self.train = SplitSource(source, "train")
+        self.heldout = eval_tasks(args.eval_episodes)
         self.scorer = Scorer.load("default", "1")
         self.events: list[RolloutEvent] = []
         settings = WorkerSettings(ns="sync", producer_id="sync", group_size=GROUP, prompts_per_step=PROMPTS,

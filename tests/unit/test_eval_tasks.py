@@ -1,0 +1,54 @@
+"""Which held-out tasks an evaluation measures, and how sure its interval may be about them."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+import pytest
+
+import learner.eval as evaluation
+from learner.eval import Evaluation, summarise, wilson
+from producers.settings import from_args
+from producers.worker import task_mixer
+from tests.taps import trajectory
+
+
+def eval_worker_argv(monkeypatch: pytest.MonkeyPatch, mode: str, **overrides: object) -> list[str]:
+    """The worker command line `python -m learner.eval` starts for one version and mode (its defaults)."""
+    monkeypatch.setattr(evaluation, "model_args", lambda store, ns, version: ["--layers", "2", "--width", "64"])
+    run = Evaluation.__new__(Evaluation)
+    run.args = argparse.Namespace(**{**vars(evaluation.parser().parse_args(["--ns", "demo"])), **overrides})
+    run.store = None  # type: ignore[assignment]
+    return run.worker("demo-eval", 85, mode)
+
+
+def drawn(argv: list[str]) -> list[str]:
+    """The task ids a worker started with `argv` plays: --episodes episodes in groups of --group-size."""
+    s = from_args(argv)
+    tasks = task_mixer(s)
+    return [tasks.next().task_id for _ in range((s.episodes or 0) // s.group_size)]
+
+
+def test_sampled_mode_plays_the_greedy_modes_held_out_tasks_each_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    greedy, sampled = (drawn(eval_worker_argv(monkeypatch, mode)) for mode in ("greedy", "sampled"))
+    assert len(greedy) == 256 and len(set(greedy)) == 256 and sampled == greedy
+
+
+def test_the_learning_benchmarks_loop_is_measured_on_the_evaluations_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.benchmarks.bench_learning import eval_tasks
+
+    assert [t.task_id for t in eval_tasks(256)] == drawn(eval_worker_argv(monkeypatch, "greedy"))
+
+
+def test_several_samples_of_a_task_give_an_interval_as_wide_as_their_tasks_allow() -> None:
+    """64 tasks sampled 4 times each are 64 independent draws, not 256: the interval says so."""
+    def episodes(tasks: int, each: int) -> list:
+        return [replace(trajectory(f"e-{t}-{k}", reward=float(t % 4 != 0)), task_id=f"t-{t}")
+                for t in range(tasks) for k in range(each)]
+
+    clustered = summarise(9, "sampled", episodes(64, 4))
+    assert clustered.episodes == 256 and clustered.success == 0.75
+    assert (clustered.ci_low, clustered.ci_high) == pytest.approx(wilson(48, 64))
+    independent = summarise(9, "sampled", episodes(256, 1))
+    assert (independent.ci_low, independent.ci_high) == pytest.approx(wilson(192, 256))
+    assert clustered.ci_high - clustered.ci_low > 1.9 * (independent.ci_high - independent.ci_low)
