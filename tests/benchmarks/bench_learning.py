@@ -307,7 +307,7 @@ def rl_phase(args: argparse.Namespace, started: float) -> None:
     record("bench_learning_rl", f"reverse, tiny Llama {LAYERS}x{WIDTH}: {args.rl_updates} GRPO updates of "
            f"{BATCH * args.rl_batches_per_update} trajectories from {args.init} (weights and Adam moments), "
            f"{args.repeats} runs a side taking turns; the pipeline side is `python -m infra demo --init "
-           f"{args.init} --init-moments --sft-updates 0`", figures, started)
+           f"{args.init} --init-moments --sft-updates 0`", figures, started, command="bench_learning.py --init RUN:vK")
 
 
 def main() -> None:

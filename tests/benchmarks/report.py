@@ -91,11 +91,12 @@ def bench_dir() -> Path:
 
 
 def record(bench: str, workload: str, figures: Iterable[Figure], started: float | None = None,
-           directory: Path | None = None) -> Path:
-    """Write one benchmark's figures (with the machine they were measured on) for the report."""
+           directory: Path | None = None, command: str = "") -> Path:
+    """Write one benchmark's figures (with the machine they were measured on) for the report; `command`: how
+    the table names it when it is not `<bench>.py` (a mode of another script)."""
     out = (directory or bench_dir()) / f"{bench}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"bench": bench, "workload": workload, "figures": [asdict(f) for f in figures],
+    doc = {"bench": bench, "workload": workload, "figures": [asdict(f) for f in figures], "command": command,
            "argv": sys.argv[1:], "recorded_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
            "seconds": round(time.monotonic() - started, 1) if started is not None else None,
            "machine": machine()}
@@ -122,7 +123,7 @@ def table(docs: list[dict[str, Any]]) -> str:
     lines = ["| benchmark | workload | figure | value | ratio | goal |", "| --- | --- | --- | --- | --- | --- |"]
     for doc in docs:
         for i, f in enumerate(doc["figures"]):
-            head = (f"`{doc['bench']}.py`", doc["workload"]) if i == 0 else ("", "")
+            head = (f"`{doc.get('command') or doc['bench'] + '.py'}`", doc["workload"]) if i == 0 else ("", "")
             lines.append(f"| {head[0]} | {head[1]} | {f.name} | {f.cell()} | {f.ratio_cell()} | {f.goal_cell()} |")
     return "\n".join(lines)
 
