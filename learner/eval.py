@@ -46,11 +46,6 @@ def wilson(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def wilson_at(rate: float, n: int, z: float = Z95) -> tuple[float, float]:
-    """The Wilson interval of a success rate measured on `n` independent units (for example tasks)."""
-    return wilson(rate * n, n, z)
-
-
 @dataclass(frozen=True)
 class EvalResult:
     version: int
@@ -93,7 +88,7 @@ def summarise(version: int, mode: str, trajectories: list[Trajectory]) -> EvalRe
     n = len(trajectories)
     wins = sum(map(outcome_ok, trajectories))
     tasks = len({t.task_id for t in trajectories})
-    low, high = wilson(wins, n) if tasks == n else wilson_at(wins / max(1, n), tasks)
+    low, high = wilson(wins * tasks / max(1, n), tasks)  # one episode a task: wilson(wins, n)
     share = 1 / max(1, n)
     return EvalResult(version=version, mode=mode, episodes=n, successes=wins, success=wins * share, ci_low=low,
                       ci_high=high, single_step=sum(map(first_attempt_ok, trajectories)) * share,

@@ -215,21 +215,23 @@ def t975(df: float) -> float:
     return T975[max(rows)] if df <= 30 else 1.96
 
 
+def var_of_mean(xs: list[float]) -> float:
+    """The variance of the mean of runs' figures, from their sample variance (0 for one run)."""
+    m = sum(xs) / len(xs)
+    return sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs) if len(xs) > 1 else 0.0
+
+
 def mean_ci(values: list[float]) -> tuple[float, float, float]:
     """The mean of runs' figures and its 95% t interval (nothing but the mean for one run)."""
     n, mean = len(values), sum(values) / len(values)
     if n < 2:
         return mean, mean, mean
-    half = t975(n - 1) * (sum((v - mean) ** 2 for v in values) / (n - 1) / n) ** 0.5
+    half = t975(n - 1) * var_of_mean(values) ** 0.5
     return mean, mean - half, mean + half
 
 
 def welch(a: list[float], b: list[float]) -> tuple[float, float, float]:
     """mean(a) - mean(b) with its 95% Welch interval: the runs of each side vary by their own amount."""
-    def var_of_mean(xs: list[float]) -> float:
-        m = sum(xs) / len(xs)
-        return sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs) if len(xs) > 1 else 0.0
-
     diff = sum(a) / len(a) - sum(b) / len(b)
     va, vb = var_of_mean(a), var_of_mean(b)
     if va + vb == 0:
