@@ -40,6 +40,7 @@ from infra.settings import NS_VAR, Settings
 from infra.supervisor import Service, Supervisor
 from schemas.codec import codec
 from schemas.errors import DecodeError
+from schemas.keys import checkpoint_prefix
 from schemas.manifests import LEARNER_FINISHED_LINE, CheckpointManifest
 from schemas.records import CheckpointPublished
 from schemas.topics import Topics
@@ -234,6 +235,27 @@ def announced_versions(run: Run) -> dict[int, CheckpointManifest]:
     return out
 
 
+def let_go_unevaluated(store: ObjectStore, ns: str, manifests: dict[int, CheckpointManifest],
+                       evaluated: set[int]) -> tuple[list[int], int]:
+    """After the evaluation, the files of every version it did not evaluate go (about 49 MB each for the small
+    model; a default run announces 86): kept are the evaluated ones (v0, post-SFT, the curve, the final one,
+    what `--init RUN:vK` starts from) and the newest with the optimizer state, where a restarted learner
+    resumes. Every manifest stays, so lineage still says what trained into each version. Returns the kept
+    versions and the bytes freed."""
+    resume = max((v for v, m in manifests.items() if m.has_moments), default=0)
+    keep = set(evaluated) | {0, resume}
+    freed = 0
+    for version, manifest in sorted(manifests.items()):
+        if version in keep:
+            continue
+        prefix = checkpoint_prefix(ns, version)
+        for name, entry in manifest.files.items():
+            if store.exists(prefix + name):
+                store.delete(prefix + name)
+                freed += entry.size
+    return sorted(keep & set(manifests)), freed
+
+
 def post_sft_version(manifests: dict[int, CheckpointManifest], args: argparse.Namespace) -> int:
     """The version that ended the SFT phase: the newest one an SFT update made (--sft-until-loss can end the
     phase before --sft-updates), v0 without an SFT phase."""
@@ -393,6 +415,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-last", type=int, default=0, help="learner retention: keep the files of the last K versions "
                                                             "(0: all; v0 and every --keep-every-th stay)")
     p.add_argument("--keep-every", type=int, default=0, help="with --keep-last: keep every N-th version too")
+    p.add_argument("--keep-all", action="store_true",
+                   help="keep the files of every version after the run (default: only those evaluated and the "
+                        "newest with the optimizer state; the others' manifests stay)")
     p.add_argument("--moments-every", type=int, default=1,
                    help="learner: the optimizer state in every K-th checkpoint only (the others weights-only)")
     p.add_argument("--broadcast-bf16", action="store_true",
@@ -489,6 +514,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     console.print("evaluating the first and the last checkpoint on held-out tasks…")
     results = evaluate(run, args)
     report(run)
+    if results and not args.keep_all:  # an evaluation that failed leaves every version to evaluate again
+        kept, freed = let_go_unevaluated(ObjectStore(settings), run.ns, announced_versions(run),
+                                         {r["version"] for r in results})
+        console.print(f"checkpoints: the files of {', '.join(f'v{v}' for v in kept)} kept, {freed / 1e9:.2f} GB of "
+                      "the others' deleted (every manifest stays; --keep-all keeps every version)")
     problems = healthy(run, results, how, args)
     (run.dir / "health.json").write_text(json.dumps({"problems": problems, "goals": goals(results, args)}, indent=2))
     for r in sorted(results, key=lambda r: (r["mode"], r["version"])):

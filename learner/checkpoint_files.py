@@ -27,17 +27,14 @@ import torch
 from torch import Tensor, nn
 
 from schemas.errors import CheckpointError, IntegrityError
-from schemas.manifests import BROADCAST_FILE, WEIGHTS_FILE, FileEntry
+from schemas.manifests import BROADCAST_FILE, MOMENT_FILES, OPTIMIZER_FILE, OPTIMIZER_META_FILE, WEIGHTS_FILE, FileEntry
 from schemas.packing import sha256_hex
 
 MODEL_FILE = WEIGHTS_FILE
 CONFIG_FILE = "config.json"
-OPTIMIZER_FILE = "optimizer.safetensors"
-OPTIMIZER_META_FILE = "optimizer.json"
 TRAINER_STATE_FILE = "trainer_state.json"
 CHECKPOINT_FILES = (MODEL_FILE, BROADCAST_FILE, CONFIG_FILE, OPTIMIZER_FILE, OPTIMIZER_META_FILE, TRAINER_STATE_FILE)
 REQUIRED_FILES = (MODEL_FILE, CONFIG_FILE, TRAINER_STATE_FILE)
-MOMENT_FILES = (OPTIMIZER_FILE, OPTIMIZER_META_FILE)
 
 
 @dataclass(frozen=True)

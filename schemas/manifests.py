@@ -12,6 +12,11 @@ CHECKPOINT_FORMAT = "trajpipe.checkpoint/1"
 # which rollout workers following it load instead.
 WEIGHTS_FILE = "model.safetensors"
 BROADCAST_FILE = "model.bf16.safetensors"
+# The optimizer state (Adam's moments and step counts) that a version carries under --moments-every: where a
+# restarted learner resumes, and what `--init RUN:vK --init-moments` carries.
+OPTIMIZER_FILE = "optimizer.safetensors"
+OPTIMIZER_META_FILE = "optimizer.json"
+MOMENT_FILES = (OPTIMIZER_FILE, OPTIMIZER_META_FILE)
 
 # The learner says this on stderr when it reached --max-updates: a supervisor reads it to know the run is over.
 LEARNER_FINISHED_LINE = "reached --max-updates"
@@ -54,6 +59,11 @@ class CheckpointManifest:
     # update, in the phase that follows); 0 when not said. A rollout worker that has made its quota compares it
     # with what the batches topic holds past `offsets`: while the learner is short, waiting makes nothing.
     next_batches: int = 0
+
+    @property
+    def has_moments(self) -> bool:
+        """Whether this version carries the optimizer state (a restart can resume from it)."""
+        return set(MOMENT_FILES) <= set(self.files)
 
     def to_json(self) -> bytes:
         doc = asdict(self)

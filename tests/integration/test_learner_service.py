@@ -592,6 +592,32 @@ def test_a_retention_keeps_the_newest_version_with_moments_until_a_newer_one_has
     assert [v for v, m in enumerate(lineage) if "optimizer.safetensors" in m.files] == [0, 4, 8]
 
 
+def test_a_demo_lets_go_of_the_versions_it_did_not_evaluate_but_not_of_the_resume_point_or_any_manifest(
+        stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
+    """A default demo announced 86 versions of ~49 MB and kept every one: a dozen runs filled a 50 GB disk. After
+    its evaluation it keeps the versions it evaluated and the newest with moments (v6 here, under
+    --moments-every 3), which a restart still resumes from; the others lose their files, never their manifests."""
+    from infra.demo import let_go_unevaluated
+
+    publish_batches(stack, store, topics, 8)
+    proc = run_learner(stack, topics.ns, tmp_path, None, "--updates-per-checkpoint", "1", "--max-policy-lag", "99",
+                       "--moments-every", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifests = {m.version: m for m in announced_lineage(stack, store, topics)}
+    assert sorted(manifests) == list(range(9)) and [v for v, m in manifests.items() if m.has_moments] == [0, 3, 6]
+
+    kept, freed = let_go_unevaluated(store, topics.ns, manifests, {2, 5, 8})
+    assert kept == [0, 2, 5, 6, 8]
+    gone = [1, 3, 4, 7]
+    assert freed == sum(e.size for v in gone for e in manifests[v].files.values()) > 0
+    prefix = f"checkpoints/{topics.ns}/"
+    assert all(store.list(f"{prefix}v{v}/") == [f"{prefix}v{v}/manifest.json"] for v in gone)
+    assert all(checkpoint_store.load_version(store, topics.ns, v).manifest == manifests[v] for v in kept)
+    resumed = checkpoint_store.resume_point(stack, topics, store, topics.ns)
+    assert resumed is not None and resumed[0].event.version == 6 and [m.version for m in resumed[1]] == [7, 8]
+    assert let_go_unevaluated(store, topics.ns, manifests, {2, 5, 8}) == (kept, 0)  # a second pass frees nothing
+
+
 class CountingStore(ObjectStore):
     """The real store, counting the downloads of each key."""
 
