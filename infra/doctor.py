@@ -4,7 +4,8 @@
 
 Python 3.11+ runs everything; bubblewrap isolates model-written code (without it, code tasks refuse to
 start); Java 17+ runs Kafka and Maven fetches its jars; Go 1.24+ builds MinIO (Debian's golang package
-is too old: use the release from go.dev).
+is too old: use the release from go.dev). It also says how much disk is free where Kafka and MinIO keep their
+data: a warning under 10 GB, which does not fail it.
 """
 from __future__ import annotations
 
@@ -13,8 +14,12 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
+from infra.settings import state_dir
+
+DISK_WANTED_GB = 10  # the tests' servers and temporary files, a few demos' data, room to install torch again
 GO_FIX = ("curl -sSL https://go.dev/dl/go1.24.6.linux-amd64.tar.gz | tar -C /usr/local -xz && "
           "export PATH=/usr/local/go/bin:$PATH")
 
@@ -66,11 +71,23 @@ def check(item: Check) -> tuple[bool, str]:
     return True, f"ok      {item.tool} {'.'.join(map(str, found))} ({path})"
 
 
+def disk(path: Path, wanted_gb: float = DISK_WANTED_GB) -> tuple[bool, str]:
+    """Free space on the filesystem of `path` (or of its nearest existing parent), against `wanted_gb`."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    free = shutil.disk_usage(path).free / 1e9
+    if free >= wanted_gb:
+        return True, f"ok      disk: {free:.1f} GB free under {path}"
+    return False, (f"LOW     disk: {free:.1f} GB free under {path}, where Kafka and MinIO keep every run's data "
+                   f"(want {wanted_gb:g} GB): `python -m infra namespaces` lists the runs with their size, "
+                   "`python -m infra delete-namespace NS` removes one")
+
+
 def main() -> int:
     results = [(True, f"ok      python {sys.version.split()[0]}")] if sys.version_info >= (3, 11) else \
         [(False, f"OLD     python {sys.version.split()[0]}: 3.11+ is needed")]
     results += [check(item) for item in CHECKS]
-    for _, line in results:
+    for _, line in [*results, disk(state_dir())]:  # low disk warns, it does not fail
         print(line)
     missing = sum(not ok for ok, _ in results)
     if missing:

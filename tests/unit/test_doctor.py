@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,16 @@ def test_missing_and_old_tools_are_named_with_their_fix(tmp_path: Path) -> None:
     assert any(line.startswith("MISSING mvn") and "apt-get install -y maven" in line for line in lines)
     assert any(line.startswith("OLD     go 1.19.8") and "go.dev" in line for line in lines)
     assert any(line.startswith("ok      java 17.0.15") for line in lines)
+
+
+def test_free_disk_is_reported_and_low_disk_names_the_commands_that_free_it(tmp_path: Path) -> None:
+    from infra.doctor import disk
+
+    free = shutil.disk_usage(tmp_path).free / 1e9
+    ok, line = disk(tmp_path / "not" / "made" / "yet", wanted_gb=free / 2)  # the nearest existing folder counts
+    assert ok and line.startswith("ok      disk: ") and str(tmp_path) in line
+    ok, line = disk(tmp_path, wanted_gb=free * 2)
+    assert not ok and line.startswith("LOW     disk: ") and "infra delete-namespace NS" in line
 
 
 def test_this_machine_has_everything() -> None:
