@@ -111,7 +111,8 @@ def plan(args: argparse.Namespace, ns: str) -> list[Service]:
     workers = [Service(f"producer-{i}", ["producers", "--ns", ns, "--sources", args.sources, "--group-size",
                                          str(args.group_size), "--prompts-per-step", str(args.prompts_per_step),
                                          "--max-new-tokens", str(args.max_new_tokens), "--producer-id", f"worker-{i}",
-                                         "--seed", str(i), "--max-policy-lag", "1", "--max-episodes-per-version",
+                                         "--seed", str(i), "--max-policy-lag", str(max(args.max_policy_lag - 1, 0)),
+                                         "--max-episodes-per-version",
                                          str(quota(args)), "--quota-wait-s", str(args.quota_wait_s),
                                          *(["--fixed-quota"] if args.fixed_quota else []), "--curriculum",
                                          str(args.curriculum), *sampling, *backend, *model],
@@ -132,7 +133,8 @@ def plan(args: argparse.Namespace, ns: str) -> list[Service]:
                             str(args.sft_updates_per_checkpoint), "--lr", str(args.lr), "--sft-lr", str(args.sft_lr),
                             *(["--sft-until-loss", str(args.sft_until_loss)] if args.sft_until_loss else []),
                             "--warmup-updates", str(warmup_updates(args)),
-                            "--max-policy-lag", "2", "--device", args.learner_device, "--keep-last",
+                            "--max-policy-lag", str(args.max_policy_lag), "--device", args.learner_device,
+                            "--keep-last",
                             str(args.keep_last), "--keep-every", str(args.keep_every), "--moments-every",
                             str(args.moments_every), *(["--broadcast-bf16"] if args.broadcast_bf16 else []),
                             *sampling, *memory,
@@ -410,6 +412,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fixed-quota", action="store_true",
                    help="rollout workers ignore the learner's demand: past their quota they wait for a newer version "
                         "(or --quota-wait-s) even while the learner is short of batches")
+    p.add_argument("--max-policy-lag", type=int, default=2,
+                   help="versions the learner's data may be behind it (rollout workers pause one version earlier, "
+                        "so that what they make arrives in time); 0: strictly on-policy, every version waits for "
+                        "rollouts of its own")
     p.add_argument("--partitions", type=int, default=2,
                    help="of each topic; the shard writer batches per partition (1: full batches from one worker)")
     p.add_argument("--keep-last", type=int, default=0, help="learner retention: keep the files of the last K versions "

@@ -153,6 +153,17 @@ def test_a_demo_asked_to_carry_the_moments_hands_the_flag_to_the_learner_and_ref
     assert exit_.value.code == 2 and "give --init RUN:vK too" in capsys.readouterr().err
 
 
+def test_a_demos_policy_lag_bounds_the_learner_and_pauses_the_rollout_workers_a_version_earlier() -> None:
+    from learner.settings import parser as learner_parser
+    from producers.settings import parser as producer_parser
+
+    lags = (([], 2, 1), (["--max-policy-lag", "0"], 0, 0), (["--max-policy-lag", "1"], 1, 0))
+    for argv, learner_lag, worker_lag in lags:
+        services = {s.name: s for s in plan(apply_preset(parser().parse_args(argv), argv), "ns")}
+        assert learner_parser({}).parse_args(services["learner"].argv[1:]).max_policy_lag == learner_lag
+        assert producer_parser().parse_args(services["producer-0"].argv[1:]).max_policy_lag == worker_lag
+
+
 def test_the_pretrained_preset_stores_the_optimizer_in_every_fifth_checkpoint_only() -> None:
     """SmolLM2's moments are 1.1 GB of its 1.6 GB checkpoint: its demo stores them every 5th version; the
     default demo in every one. Both learner command lines parse with the learner's own parser."""
