@@ -39,13 +39,16 @@ from infra.faults import fault_point
 from learner.distributed import SAVE, START, STOP, TRAIN, World, join, pack, rank_device, unpack
 from learner.model import build_policy, frozen_reference
 from learner.settings import SFT_LOSS_WINDOW, LearnerSettings, shaping_args
-from learner.update import Lineage, TrainConfig, Trainer
+from learner.update import Lineage, TrainConfig, Trainer, select_trajectories
 from schemas.codec import codec
 from schemas.manifests import LEARNER_FINISHED_LINE, CheckpointManifest
 from schemas.errors import CheckpointError, ConfigError, PipelineError
 from schemas.records import PipelineMetric, Trajectory
 
 STALE_UNFETCHED = "stale: not fetched (every turn of its batch was over --max-policy-lag versions behind)"
+# An update reads on past stale data to fill --rl-batches-per-update with trainable trajectories, but holds at most
+# this many times that many batches' trajectories (a backlog of data just over the lag is dropped in pieces).
+MAX_READ_FACTOR = 4
 KEEP_IDS = 1000  # batch ids carried from checkpoint to checkpoint (plus the newest per source partition)
 
 
@@ -283,7 +286,7 @@ class LearnerService(PolicyHolder):
                                           "the batches topic to keep what the versions after the resume point read")
                 gathered.append(batch)
                 wanted.pop(0)
-                if len(gathered) >= self.batches_per_update() or not wanted:
+                if self.update_full(gathered) or not wanted:
                     self.update(gathered)
                     self.maybe_switch_phase()
                     gathered = []
@@ -437,6 +440,32 @@ class LearnerService(PolicyHolder):
         sft = self.phase_algorithm(self.updates if updates is None else updates) == "sft"
         return 1 if sft else self.s.rl_batches_per_update
 
+    def counted_batches(self, batches: list[LoadedBatch]) -> float:
+        """What `batches` count for against --rl-batches-per-update. In a policy-gradient phase a batch counts for
+        the share of its trajectories that can train at this version (the rest over --max-policy-lag, or its
+        shard unreadable), so an update reads on past stale data until it holds as many trainable trajectories
+        as the setting says: counted as whole batches, a default demo's updates trained 381 of their 512 on
+        average and some 16, a strictly on-policy one's 174. The count depends only on the batches and the
+        version, so a resume that trains them again groups them the same."""
+        if self.trainer.config.algorithm not in ("grpo", "ppo"):
+            return float(len(batches))
+        config, lineage = self.trainer.config, self.trainer.lineage
+        return sum(len(select_trajectories(b.trajectories, self.version, config, lineage).kept) / len(b.trajectories)
+                   for b in batches if b.trajectories)
+
+    def untrainable(self, batches: list[LoadedBatch]) -> dict[str, str]:
+        """The batches none of whose trajectories could train at this version, each with why (an update of
+        others trained them with it, counting them for nothing)."""
+        config, lineage = self.trainer.config, self.trainer.lineage
+        selections = {b.manifest.batch_id: select_trajectories(b.trajectories, self.version, config, lineage)
+                      for b in batches}
+        return {b: skip_reason(selection.counts) for b, selection in selections.items() if not selection.kept}
+
+    def update_full(self, batches: list[LoadedBatch]) -> bool:
+        wanted = self.batches_per_update()
+        held = sum(1 for b in batches if b.trajectories)
+        return held >= MAX_READ_FACTOR * wanted or self.counted_batches(batches) >= wanted
+
     def next_version_batches(self) -> int:
         """The batches the next version trains on (when none is skipped): what its checkpoint tells rollout
         workers the learner still needs, so that they wait only while it has them."""
@@ -465,6 +494,7 @@ class LearnerService(PolicyHolder):
             self.updates += 1
             self.judge_sft_loss(metrics)
             self.skipped.update(unfetched)
+            self.skipped.update(self.untrainable([b for b in batches if b.manifest.batch_id not in unfetched]))
             self.untrained.update(self.trainer.last_dropped)
         else:
             self.skipped.update({b: unfetched.get(b) or skip_reason(metrics) for b in ids})
@@ -480,7 +510,7 @@ class LearnerService(PolicyHolder):
     def train_on(self, batches: list[LoadedBatch]) -> None:
         metrics = self.update(batches)
         self.publish_metrics(metrics)
-        self.progress(metrics, batches[0].manifest.batch_id)
+        self.progress(metrics, [b.manifest.batch_id for b in batches])
         if metrics.get("train/updated") and self.checkpoint_due():
             self.checkpoint()
         self.maybe_switch_phase()  # announce the next phase now: a demo starts its rollout workers on it
@@ -495,11 +525,13 @@ class LearnerService(PolicyHolder):
                 self.publisher.send(self.topics.metrics, name.encode(), codec.encode(metric))
         self.publisher.poll(0)
 
-    def progress(self, metrics: dict[str, float], batch_id: str) -> None:
+    def progress(self, metrics: dict[str, float], batch_ids: list[str]) -> None:
         total = f"/{self.s.max_updates}" if self.s.max_updates else ""
-        if batch_id in self.skipped:
-            print(f"batch {batch_id} skipped [{self.trainer.config.algorithm}] v{self.version}: "
-                  f"{self.skipped[batch_id]}", file=sys.stderr, flush=True)
+        for batch_id in batch_ids:
+            if batch_id in self.skipped:
+                print(f"batch {batch_id} skipped [{self.trainer.config.algorithm}] v{self.version}: "
+                      f"{self.skipped[batch_id]}", file=sys.stderr, flush=True)
+        if not metrics.get("train/updated"):
             return
         share = self.timing["wait_s"] / max(1e-9, self.timing["wait_s"] + self.timing["compute_s"])
         print(f"update {self.updates}{total} [{self.trainer.config.algorithm}] v{self.version} "
@@ -534,7 +566,7 @@ class LearnerService(PolicyHolder):
                     continue
                 idle_since = time.monotonic()
                 gathered.append(batch)
-                if len(gathered) >= self.batches_per_update():
+                if self.update_full(gathered):
                     self.train_on(gathered)
                     gathered = []
             if gathered:

@@ -48,26 +48,28 @@ def trajectory(rng: random.Random, ns: str, i: int, status: str = "completed", v
 
 
 def publish_batches(stack: Settings, store: ObjectStore, topics: Topics, n_batches: int,
-                    aborted: tuple[int, ...] = (), versions: dict[int, int] | None = None,
+                    aborted: tuple[int, ...] = (), versions: dict[int, int | tuple[int, ...]] | None = None,
                     run: str | None = None) -> list[str]:
     """n_batches of 4 trajectories (the same bytes for every namespace); batches in `aborted` train nothing;
-    `versions`: batch -> the policy version of its turns (default 0); `run`: the run that generated them
-    (default: this namespace's; another one's for replayed history)."""
+    `versions`: batch -> the policy version of its turns, or of each trajectory's (default 0); `run`: the run
+    that generated them (default: this namespace's; another one's for replayed history)."""
     rng = random.Random(3)
     pub = Publisher(stack)
     ids = []
     for b in range(n_batches):
         first, last = b * 4, b * 4 + 3
         status = "aborted" if b in aborted else "completed"
-        trajs = [trajectory(rng, run or topics.ns, i, status, (versions or {}).get(b, 0)) for i in range(first, last + 1)]
+        given = (versions or {}).get(b, 0)
+        each = given if isinstance(given, tuple) else (given,) * 4
+        trajs = [trajectory(rng, run or topics.ns, i, status, each[i - first]) for i in range(first, last + 1)]
         key = shard_key(topics.ns, topics.scored, 0, first, last)
         data = write_shard(trajs, key)
         sha = store.put_verified(key, data)
         bid = batch_id(topics.scored, 0, first, last)
         manifest = BatchManifest(batch_id=bid, run=topics.ns, bucket=store.bucket, key=key, sha256=sha,
                                  size=len(data), num_trajectories=4, num_tokens=40, source_topic=topics.scored,
-                                 partition=0, first_offset=first, last_offset=last, policy_version_min=0,
-                                 policy_version_max=0, reward_mean=0.5, reward_std=0.5,
+                                 partition=0, first_offset=first, last_offset=last, policy_version_min=min(each),
+                                 policy_version_max=max(each), reward_mean=0.5, reward_std=0.5,
                                  trajectory_ids=tuple(t.trajectory_id for t in trajs), ts=b)
         pub.send(topics.batches, None, codec.encode(manifest))
         if b == 2:  # a shard writer restarted: the same manifest again
@@ -460,8 +462,10 @@ def test_each_checkpoint_records_which_trajectories_did_not_train_and_why(
     skipped = {b for m in lineage for b in m.skipped_batches}
     for batch_id, manifest in manifests.items():
         ids = set(manifest.trajectory_ids)
-        if batch_id in skipped:  # the aborted batch, and batches gone stale (their turns are all v0)
-            assert all(untrained[t].startswith(("its batch trained nothing", "stale")) for t in ids), batch_id
+        if batch_id in skipped:  # the aborted batch, and batches gone stale (their turns are all v0), each
+            # trajectory with its own reason where an update of other batches took them along
+            assert all(untrained[t].startswith(("its batch trained nothing", "stale", "aborted")) for t in ids), \
+                (batch_id, [untrained.get(t) for t in ids])
         else:
             assert not ids & set(untrained), batch_id
     aborted = manifests[sorted(manifests, key=lambda b: manifests[b].first_offset)[1]]
@@ -543,6 +547,25 @@ def test_init_moments_carries_the_named_checkpoints_adam_moments_under_the_new_r
     proc = retrain("weights-only", "--init", f"{topics.ns}:v2", "--init-moments")
     assert proc.returncode != 0 and f"--init-moments: {topics.ns}:v2 carries no optimizer state" in proc.stderr
     assert not store.list(f"checkpoints/{runs['weights-only'].ns}/")
+
+
+def test_an_update_reads_on_past_stale_trajectories_until_it_holds_its_batches_of_trainable_ones(
+        stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
+    """--rl-batches-per-update counts trainable trajectories, not batches read: at v1, strictly on-policy, batch 2
+    is half v0, batch 3 all v0, batch 4 all v1 and batch 5 half v1, so the second update
+    trains batches 2 to 5 (8 trajectories), where counting batches made it train 2 of 2 batches' 8 and the third
+    update nothing. A default demo's updates trained 381 of their 512 trajectories on average this way."""
+    versions: dict[int, int | tuple[int, ...]] = {2: (0, 0, 1, 1), 3: 0, 4: 1, 5: (1, 1, 0, 0), 6: 2, 7: 2}
+    ids = publish_batches(stack, store, topics, 8, versions=versions)
+    proc = run_learner(stack, topics.ns, tmp_path, None, "--updates-per-checkpoint", "1", "--max-policy-lag", "0",
+                       "--rl-batches-per-update", "2", "--max-updates", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lineage = announced_lineage(stack, store, topics)
+    assert [m.version for m in lineage] == [0, 1, 2, 3]
+    assert [m.read_order for m in lineage[1:]] == [ids[0:2], ids[2:6], ids[6:8]]
+    assert len(lineage[2].untrained) == 8 and all(why.startswith("stale") for why in lineage[2].untrained.values())
+    trained = [4 * len(m.read_order) - len(m.untrained) for m in lineage[1:]]
+    assert trained == [8, 8, 8]
 
 
 RETAIN = ("--updates-per-checkpoint", "1", "--max-policy-lag", "99", "--keep-last", "2", "--keep-every", "3")
