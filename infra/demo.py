@@ -292,9 +292,8 @@ def run_eval(run: Run, args: argparse.Namespace, versions: list[int], modes: str
     return results
 
 
-def evaluate(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
+def evaluate(run: Run, args: argparse.Namespace, manifests: dict[int, CheckpointManifest]) -> list[dict[str, Any]]:
     """Greedy held-out success along the run (the learning curve); sampled too at v0, post-SFT and final."""
-    manifests = announced_versions(run)
     if not manifests:
         return []
     created = {v: m.created_ts for v, m in manifests.items()}
@@ -518,11 +517,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     how = supervise(run, args.minutes)
     shutdown(run)
     console.print("evaluating the first and the last checkpoint on held-out tasks…")
-    results = evaluate(run, args)
+    manifests = announced_versions(run)
+    results = evaluate(run, args, manifests)
     report(run)
     if results and not args.keep_all:  # an evaluation that failed leaves every version to evaluate again
-        kept, freed = let_go_unevaluated(ObjectStore(settings), run.ns, announced_versions(run),
-                                         {r["version"] for r in results})
+        kept, freed = let_go_unevaluated(ObjectStore(settings), run.ns, manifests, {r["version"] for r in results})
         console.print(f"checkpoints: the files of {', '.join(f'v{v}' for v in kept)} kept, {freed / 1e9:.2f} GB of "
                       "the others' deleted (every manifest stays; --keep-all keeps every version)")
     problems = healthy(run, results, how, args)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
@@ -27,7 +27,8 @@ import torch
 from torch import Tensor, nn
 
 from schemas.errors import CheckpointError, IntegrityError
-from schemas.manifests import BROADCAST_FILE, MOMENT_FILES, OPTIMIZER_FILE, OPTIMIZER_META_FILE, WEIGHTS_FILE, FileEntry
+from schemas.manifests import (BROADCAST_FILE, MOMENT_FILES, OPTIMIZER_FILE, OPTIMIZER_META_FILE, WEIGHTS_FILE,
+                               FileEntry, has_moments)
 from schemas.packing import sha256_hex
 
 MODEL_FILE = WEIGHTS_FILE
@@ -136,11 +137,6 @@ def write_checkpoint(state: CheckpointState, moments: bool = True, broadcast_bf1
 def bf16_weights(model: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """The floating-point tensors rounded to bfloat16 (to nearest even), the others as they are."""
     return {name: t.to(torch.bfloat16) if t.is_floating_point() else t for name, t in model.items()}
-
-
-def has_moments(names: Iterable[str]) -> bool:
-    """Whether a checkpoint of these files (or manifest entries) carries the optimizer state."""
-    return set(MOMENT_FILES) <= set(names)
 
 
 def read_checkpoint(files: Mapping[str, bytes]) -> CheckpointState:

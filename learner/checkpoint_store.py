@@ -17,7 +17,7 @@ from typing import Iterator, Mapping, Optional
 from infra.kafka import Publisher, read_topic
 from infra.objectstore import ObjectStore
 from infra.settings import Settings
-from learner.checkpoint_files import has_moments, verify_files
+from learner.checkpoint_files import verify_files
 from learner.settings import parse_init
 from schemas.codec import codec
 from schemas.errors import CheckpointError, DecodeError, IntegrityError, ManifestError, ObjectNotFound
@@ -129,7 +129,7 @@ def resume_point(settings: Settings, topics: Topics, store: ObjectStore,
             print(f"warning: checkpoint v{event.version} does not verify: {exc}; trying the version before it",
                   file=sys.stderr, flush=True)
             continue
-        if has_moments(manifest.files):
+        if manifest.has_moments:
             try:
                 return load(store, event), later[::-1]
             except CheckpointError as exc:  # trained again from an older version, and stored again

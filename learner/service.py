@@ -28,7 +28,6 @@ from infra.settings import Settings
 from learner import checkpoint_store, sharding
 from learner.checkpoint_files import (
     file_entries,
-    has_moments,
     load_model_tensors,
     model_tensors,
     read_checkpoint,
@@ -392,7 +391,7 @@ class LearnerService(PolicyHolder):
         fault_point("after_publish")
         if offsets:
             self.reader.commit(offsets)
-        self.let_go(manifest.version, has_moments(files))
+        self.let_go(manifest.version, manifest.has_moments)
         self.timing["publish_s"] += time.monotonic() - started
         self.published_bytes += sum(len(data) for data in files.values())
         print(f"checkpoint v{manifest.version} stored, announced, offsets committed ({len(manifest.batch_ids)} "
@@ -598,7 +597,7 @@ def replay_line(replaying: list[CheckpointManifest]) -> str:
     if not replaying:
         return ""
     span = f"v{replaying[0].version}..v{replaying[-1].version}"
-    broken = [f"v{m.version}" for m in replaying if has_moments(m.files)]
+    broken = [f"v{m.version}" for m in replaying if m.has_moments]
     if not broken:
         return f"; {span} are weights-only: their batches train again"
     return (f"; {span} train their batches again: {', '.join(broken)} stored the optimizer state but "

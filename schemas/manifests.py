@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from schemas.errors import ManifestError
 
@@ -17,6 +17,11 @@ BROADCAST_FILE = "model.bf16.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 OPTIMIZER_META_FILE = "optimizer.json"
 MOMENT_FILES = (OPTIMIZER_FILE, OPTIMIZER_META_FILE)
+
+
+def has_moments(names: Iterable[str]) -> bool:
+    """Whether a checkpoint of these files (or manifest entries) carries the optimizer state."""
+    return set(MOMENT_FILES) <= set(names)
 
 # The learner says this on stderr when it reached --max-updates: a supervisor reads it to know the run is over.
 LEARNER_FINISHED_LINE = "reached --max-updates"
@@ -63,7 +68,7 @@ class CheckpointManifest:
     @property
     def has_moments(self) -> bool:
         """Whether this version carries the optimizer state (a restart can resume from it)."""
-        return set(MOMENT_FILES) <= set(self.files)
+        return has_moments(self.files)
 
     def to_json(self) -> bytes:
         doc = asdict(self)
