@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import signal
 import sys
 import threading
@@ -106,6 +107,9 @@ class RolloutWorker:
         # Episodes it may still make before it waits for a newer version (--max-episodes-per-version): a
         # quota each version, up to --versions-ahead more of them in reserve.
         self.credit = 0
+        # Where this version's episodes and the learner's batches stood when it was loaded: what the episodes
+        # made since have added to the batches topic says how many episodes a batch now takes.
+        self.yield_mark: Optional[tuple[int, int]] = None
         self._stop = False
         if settings.init_checkpoint:
             self.load_initial(platform, settings.init_checkpoint)
@@ -166,6 +170,7 @@ class RolloutWorker:
                 return
             self.grant(ready.version - previous if self.stats.versions_loaded else None)
             self.manifest = ready.manifest
+            self.mark_yield()
             self.stats.versions_loaded.append(ready.version)
             self.stats.checkpoint_bytes += ready.size
             # generation with it starts now: the step that follows this call
@@ -217,10 +222,27 @@ class RolloutWorker:
             time.sleep(0.2)
         self.stats.paused_s += time.monotonic() - started
 
+    def mark_yield(self) -> None:
+        """Remember the episodes made and the batches the learner holds toward the version after the one just
+        loaded (a broker round trip, only where the worker follows the learner's demand)."""
+        self.yield_mark = None
+        if self.settings.demand_settle_s is None or not self.settings.max_episodes_per_version or self.manifest is None:
+            return
+        held = self.demand.held_since(self.manifest.offsets)
+        if held is not None:
+            self.yield_mark = (self.stats.episodes, held)
+
     def episodes_the_learner_lacks(self, waited_s: float) -> int:
-        """Episodes to make for the batches the learner lacks for the version after this worker's: the share of
-        a quota they are of that version's batches, at least a step; 0 while it has them, before the batches
-        of the episodes already made had --demand-settle-s to arrive, with --fixed-quota or an older learner."""
+        """Episodes to make for the batches the learner lacks for the version after this worker's, at least a
+        step and at most a quota; 0 while it has them, before the batches of the episodes already made had
+        --demand-settle-s to arrive, with --fixed-quota or an older learner.
+
+        How many episodes a batch takes is measured: the episodes made with this version over the batches they
+        added. Groups that teach nothing (all right or all wrong) are dropped upstream, so once the policy
+        solves most tasks a batch takes several times the episodes it took at first. Estimated as the share of
+        a quota a version's batches are (the measurement's fallback), each wait made a fraction of what the
+        learner lacked and waited again: a demo whose policy solved 95% of its tasks paused its worker 324 s in
+        220 waits while the learner waited for data 62% of its time."""
         settle, manifest = self.settings.demand_settle_s, self.manifest
         if settle is None or waited_s < settle or manifest is None:
             return 0
@@ -228,8 +250,13 @@ class RolloutWorker:
         if short is None or short <= 0:
             return 0
         quota = self.settings.max_episodes_per_version or 0
-        return max(self.settings.prompts_per_step * self.settings.group_size,
-                   -(-quota * short // manifest.next_batches))
+        per_batch = quota / manifest.next_batches
+        if self.yield_mark is not None:
+            made, added = self.stats.episodes - self.yield_mark[0], manifest.next_batches - short - self.yield_mark[1]
+            if made > 0:
+                per_batch = made / max(added, 1)
+        step = self.settings.prompts_per_step * self.settings.group_size
+        return max(step, min(quota, math.ceil(short * per_batch)))
 
     def step(self) -> None:
         self.maybe_load_checkpoint()

@@ -289,13 +289,15 @@ def test_a_worker_makes_exactly_its_quota_of_episodes_per_version(stack: Setting
 
 
 @pytest.mark.parametrize("fixed", [False, True], ids=["following-demand", "fixed-quota"])
-def test_a_worker_past_its_quota_makes_the_share_the_learner_lacks_and_waits_once_it_has_its_batches(
+def test_a_worker_past_its_quota_makes_what_the_learner_lacks_at_the_rate_its_episodes_fill_batches(
         stack: Settings, topics: Topics, store: ObjectStore, fixed: bool) -> None:
-    """v0 says the learner needs 4 batches for v1 and the batches topic holds 1: a worker that made its quota of
-    8 episodes (steps of 4) makes the 3/4 of a quota the learner lacks, 6 episodes, once the batches of its
-    episodes had 0.3 s to arrive, instead of waiting 3 s for a version the learner cannot make. Once the topic
-    holds the 4 batches it waits for the version (the 3 s bound: no learner makes it here). With --fixed-quota
-    every wait runs to the bound and ends with a whole quota, as every wait did before."""
+    """v0 says the learner needs 8 batches for v1 and the batches topic holds 1. The worker's quota of 8 episodes
+    (steps of 4) adds 4 batches (here the test adds them, as streams and the shard writer would: 2 episodes a
+    batch, where every group teaches something). Once they had 0.3 s to arrive it makes the 6 episodes the 3
+    missing batches take at that rate, instead of waiting 3 s for a version the learner cannot make; the share of
+    a quota they are of the version's batches (3/8 of 8) would have made a step of 4 and waited again. Once the
+    topic holds the 8 batches it waits for the version (the 3 s bound: no learner makes it here). With
+    --fixed-quota every wait runs to the bound and ends with a whole quota."""
     settings = WorkerSettings(ns=topics.ns, producer_id="demand", group_size=2, max_new_tokens=4, layers=2,
                               width=64, prompts_per_step=2, max_episodes_per_version=8, quota_wait_s=3.0,
                               demand_settle_s=None if fixed else 0.3, max_policy_lag=9)
@@ -309,14 +311,16 @@ def test_a_worker_past_its_quota_makes_the_share_the_learner_lacks_and_waits_onc
         pub.close()
 
     add_batches(1)
-    publish_checkpoint(stack, store, topics, 0, base, next_batches=4)
+    publish_checkpoint(stack, store, topics, 0, base, next_batches=8)
     worker.follower.start()
     steps, waits = [], []
     try:
         worker.wait_for_published_weights()
         for i in range(5):
+            if i == 2:
+                add_batches(4)  # what the quota's 8 episodes added
             if i == 4:
-                add_batches(3)  # the learner has its 4 batches: the wait before the next step is for v1
+                add_batches(3)  # the learner has its 8 batches: the wait before the next step is for v1
             made = worker.stats.episodes
             worker.step()
             steps.append(worker.stats.episodes - made)
@@ -332,6 +336,33 @@ def test_a_worker_past_its_quota_makes_the_share_the_learner_lacks_and_waits_onc
     else:
         assert steps == [4, 4, 4, 2, 4] and waits == [(0, 0), (0, 0), (1, 1), (1, 1), (2, 1)]
     assert worker.backend.version == 0
+
+
+def test_a_worker_whose_episodes_added_no_batch_makes_a_whole_quota_more_at_most(
+        stack: Settings, topics: Topics, store: ObjectStore) -> None:
+    """Its quota of 8 episodes added no batch yet (all dropped upstream, or still on their way): the learner
+    lacks 3 of its 4 batches, and the worker makes at most one more quota (8) before it asks again."""
+    settings = WorkerSettings(ns=topics.ns, producer_id="dry", group_size=2, max_new_tokens=4, layers=2,
+                              width=64, prompts_per_step=2, max_episodes_per_version=8, quota_wait_s=3.0,
+                              demand_settle_s=0.3, max_policy_lag=9)
+    worker = RolloutWorker(settings, stack)
+    base = {k: v.clone() for k, v in worker.backend.model.state_dict().items() if k != "lm_head.weight"}
+    pub = Publisher(stack)
+    pub.send(topics.batches, None, b"batch-0")
+    pub.close()
+    publish_checkpoint(stack, store, topics, 0, base, next_batches=4)
+    worker.follower.start()
+    try:
+        worker.wait_for_published_weights()
+        worker.step()
+        worker.step()
+        assert worker.episodes_the_learner_lacks(waited_s=1.0) == 8
+    finally:
+        worker.follower.stop()
+        worker.sink.close()
+        worker.metrics_out.close()
+        worker.code_runner.close()
+        worker.demand.close()
 
 
 def test_a_worker_a_version_ahead_holds_a_second_quota_and_waits_only_when_both_are_made(
