@@ -1,8 +1,9 @@
 """Learning benchmark: the streaming pipeline versus a synchronous in-process loop on the same task, schedule and
 number of trajectories: held-out greedy success at equal trajectories and at equal wall time.
 
-    python tests/benchmarks/bench_learning.py [--sft-updates 100 --rl-updates 80]   # ~25 minutes on 2 cores
+    python tests/benchmarks/bench_learning.py [--sft-updates 115 --rl-updates 80]   # ~25 minutes on 2 cores
     python tests/benchmarks/bench_learning.py --init RUN:v5 --repeats 3             # the RL phase only, ~35 minutes
+    python tests/benchmarks/bench_learning.py --sft-lengths 100,115 --seeds 6       # the loop alone, ~55 minutes
 
 The pipeline side is the demo (`python -m infra demo`, every service a process, evaluation through the
 pipeline). The synchronous side calls the same code in turn in one process: demonstrations -> assembly ->
@@ -16,6 +17,10 @@ loop with data order and sampling seed r, then the pipeline). Asynchrony is the 
 that phase; the runs' spread says how much of a gap is noise. Each run's greedy and sampled finals, each side's
 mean with its 95% t interval over runs, and the difference of the means with its Welch interval; the curves go to
 runs/bench/learning_rl.png.
+
+With --sft-lengths the synchronous loop runs alone, once per SFT length and data order: how often each length
+meets the demo's two learning goals (final greedy success >= 0.8, RL gain >= +0.2 over post-SFT), which pull
+the SFT phase's length in opposite directions.
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from infra.demo import GOAL_FINAL, GOAL_RL_GAIN, sft_version  # noqa: E402
+from infra.demo import GOAL_FINAL, GOAL_RL_GAIN, SFT_UPDATES, sft_version  # noqa: E402
 from infra.settings import Settings  # noqa: E402
 from infra.objectstore import ObjectStore  # noqa: E402
 from learner import checkpoint_store  # noqa: E402
@@ -95,6 +100,7 @@ class Synchronous:
         self.curve: list[dict[str, float]] = []
         self.started = time.perf_counter()
         self.eval_s = 0.0
+        self.post_sft = 0  # the curve's point that ended the SFT phase
 
     def sync_weights(self, version: int) -> None:
         self.backend.load_weights(dict(self.policy.state_dict()), version)
@@ -125,6 +131,7 @@ class Synchronous:
                 version += 1
                 self.sync_weights(version)
                 self.evaluate(version, seen)
+        self.post_sft = len(self.curve) - 1
         rl = Trainer(self.policy, TrainConfig(algorithm="grpo", lr=a.lr))
         rl.load_optimizer_state(self.moments if self.moments is not None else trainer.optimizer.state_dict())
         for update in range(1, a.rl_updates + 1):
@@ -312,9 +319,49 @@ def rl_phase(args: argparse.Namespace, started: float) -> None:
            f"{args.init} --init-moments --sft-updates 0`", figures, started, command="bench_learning.py --init RUN:vK")
 
 
+def sft_lengths(args: argparse.Namespace, started: float) -> None:
+    """The SFT phase's length, in process: for each data order (seed 1..--seeds) and each length, the whole
+    synchronous run (SFT with the demo's warmup, a tenth of it, then the RL phase); the same seed draws the same
+    demonstrations, so the lengths are compared on one data order at a time. Per length: how many runs met each
+    learning goal of the demo, the finals and RL gains with their 95% t intervals."""
+    runs: dict[int, list[tuple[float, float]]] = {n: [] for n in args.sft_lengths}
+    for seed in range(1, args.seeds + 1):
+        for n in args.sft_lengths:
+            run_args = argparse.Namespace(**{**vars(args), "sft_updates": n, "warmup_updates": n // 10})
+            loop = Synchronous(run_args, seed=seed)
+            curve = loop.run()
+            post, final = curve[loop.post_sft]["success"], curve[-1]["success"]
+            runs[n].append((post, final))
+            print(f"seed {seed}, {n} SFT updates: greedy post-SFT {post:.3f} -> final {final:.3f} (RL "
+                  f"{final - post:+.3f}); curve " + " ".join(f"{p['success']:.3f}" for p in curve), flush=True)
+    figures: list[Figure] = []
+    for n, pairs in runs.items():
+        finals, gains = [f for _, f in pairs], [f - p for p, f in pairs]
+        met_final = sum(f >= GOAL_FINAL for f in finals)
+        met_gain = sum(g >= GOAL_RL_GAIN for g in gains)
+        both = sum(f >= GOAL_FINAL and g >= GOAL_RL_GAIN for f, g in zip(finals, gains))
+        m, lo, hi = mean_ci(finals)
+        gm, glo, ghi = mean_ci(gains)
+        pm = mean_ci([p for p, _ in pairs])[0]
+        print(f"{n} SFT updates: post-SFT {pm:.3f}, final {m:.3f} [{lo:.3f}, {hi:.3f}], RL gain {gm:+.3f} "
+              f"[{glo:+.3f}, {ghi:+.3f}]; final >= {GOAL_FINAL} in {met_final}/{len(pairs)}, RL gain >= "
+              f"+{GOAL_RL_GAIN} in {met_gain}/{len(pairs)}, both in {both}/{len(pairs)}")
+        figures += [
+            Figure(f"{n} SFT updates: final greedy success, mean of {len(pairs)} data orders", m,
+                   f"[{lo:.3f}, {hi:.3f}] (runs {', '.join(f'{f:.3f}' for f in finals)}; post-SFT mean {pm:.3f})"),
+            Figure(f"{n} SFT updates: RL gain over post-SFT, mean", gm,
+                   f"[{glo:+.3f}, {ghi:+.3f}] (runs {', '.join(f'{g:+.3f}' for g in gains)})"),
+            Figure(f"{n} SFT updates: runs meeting both learning goals", both / len(pairs),
+                   f"of {len(pairs)} (final >= {GOAL_FINAL}: {met_final}, RL gain >= +{GOAL_RL_GAIN}: {met_gain})")]
+    record("bench_learning_sft", f"reverse, tiny Llama {LAYERS}x{WIDTH}, synchronous loop: "
+           f"{'/'.join(map(str, args.sft_lengths))} SFT updates of {BATCH} demonstrations (a tenth warmed up) + "
+           f"{args.rl_updates} GRPO updates of {BATCH * args.rl_batches_per_update} trajectories, data orders "
+           f"1..{args.seeds}", figures, started, command="bench_learning.py --sft-lengths A,B")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sft-updates", type=int, default=100, help="as the demo")
+    p.add_argument("--sft-updates", type=int, default=SFT_UPDATES, help="as the demo")
     p.add_argument("--rl-updates", type=int, default=80, help="as the demo")
     p.add_argument("--rl-batches-per-update", type=int, default=8, help=f"shards of {BATCH} per GRPO update, as the demo")
     p.add_argument("--sft-updates-per-checkpoint", type=int, default=20)
@@ -328,6 +375,10 @@ def main() -> None:
                    help="the RL phase only, both sides from that checkpoint's weights and Adam moments (a post-SFT "
                         "version, e.g. a demo's v5)")
     p.add_argument("--repeats", type=int, default=3, help="with --init: runs a side")
+    p.add_argument("--sft-lengths", type=lambda t: [int(x) for x in t.split(",")], default=None, metavar="A,B",
+                   help="the synchronous loop alone, once per SFT length and data order: which length meets the "
+                        "demo's learning goals more often")
+    p.add_argument("--seeds", type=int, default=6, help="with --sft-lengths: data orders")
     args = p.parse_args()
     started = time.monotonic()
     if args.init:
@@ -336,6 +387,8 @@ def main() -> None:
         args.warmup_updates = args.sft_updates // 10
     if args.init:
         return rl_phase(args, started)
+    if args.sft_lengths:
+        return sft_lengths(args, started)
     sync = Synchronous(args).run()
     pipe = pipeline(args)
     plot(sync, pipe, Path("runs/bench/learning.png"))
