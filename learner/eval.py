@@ -5,7 +5,9 @@
 For each version: a rollout worker pinned to that checkpoint draws held-out tasks only, once greedily (one
 sample per task) and once sampled at the training temperature, into a fresh namespace where a streams worker
 scores them with the reward function the training used. Reports the success rate of each mode with its
-Wilson interval, single-step and multi-turn success (code repairs), and the mean reward.
+Wilson interval, single-step and multi-turn success (code repairs), and the mean reward. Drawing from several
+sources, it reports each source's success too: `--sources reverse-3,reverse-4,reverse-5,reverse-6` says where a
+policy stands on each word length.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from infra.bootstrap import bootstrap, delete_topics
@@ -58,11 +60,14 @@ class EvalResult:
     single_step: float
     multi_turn: float
     reward_mean: float
+    by_source: dict[str, list[int]] = field(default_factory=dict)  # task source -> [successes, episodes]
 
     def line(self) -> str:
+        sources = "" if len(self.by_source) < 2 else "; " + ", ".join(
+            f"{name} {wins / n:.2f} ({wins}/{n})" for name, (wins, n) in self.by_source.items())
         return (f"v{self.version} {self.mode:>7}: success {self.success:.3f} "
                 f"[{self.ci_low:.3f}, {self.ci_high:.3f}] ({self.successes}/{self.episodes}), "
-                f"reward {self.reward_mean:.3f}")
+                f"reward {self.reward_mean:.3f}{sources}")
 
 
 def first_attempt_ok(t: Trajectory) -> bool:
@@ -81,6 +86,15 @@ def outcome_ok(t: Trajectory) -> bool:
     return max(t.reward_components.get("outcome/correct", 0.0), t.reward_components.get("outcome/tests_passed", 0.0)) >= 1.0
 
 
+def task_source(t: Trajectory) -> str:
+    """The source a trajectory's task was drawn from (its spec's `source`, e.g. builtin:reverse-6), else its domain."""
+    try:
+        spec = json.loads(t.task_spec)
+    except ValueError:
+        return t.domain
+    return str(spec.get("source") or t.domain) if isinstance(spec, dict) else t.domain
+
+
 def summarise(version: int, mode: str, trajectories: list[Trajectory]) -> EvalResult:
     """Success and its Wilson interval. Several samples of one task are not independent draws: with more than
     one episode a task (sampled mode's --group-size > 1) the interval counts tasks, not episodes (at the rate the
@@ -90,10 +104,15 @@ def summarise(version: int, mode: str, trajectories: list[Trajectory]) -> EvalRe
     tasks = len({t.task_id for t in trajectories})
     low, high = wilson(wins * tasks / max(1, n), tasks)  # one episode a task: wilson(wins, n)
     share = 1 / max(1, n)
+    by_source: dict[str, list[int]] = {}
+    for t in trajectories:
+        counts = by_source.setdefault(task_source(t), [0, 0])
+        counts[0] += outcome_ok(t)
+        counts[1] += 1
     return EvalResult(version=version, mode=mode, episodes=n, successes=wins, success=wins * share, ci_low=low,
                       ci_high=high, single_step=sum(map(first_attempt_ok, trajectories)) * share,
                       multi_turn=sum(map(any_attempt_ok, trajectories)) * share,
-                      reward_mean=sum(t.reward for t in trajectories) * share)
+                      reward_mean=sum(t.reward for t in trajectories) * share, by_source=dict(sorted(by_source.items())))
 
 
 def resolve_versions(settings: Settings, topics: Topics, wanted: str) -> list[int]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import replace
 
 import pytest
@@ -52,3 +53,19 @@ def test_several_samples_of_a_task_give_an_interval_as_wide_as_their_tasks_allow
     independent = summarise(9, "sampled", episodes(256, 1))
     assert (independent.ci_low, independent.ci_high) == pytest.approx(wilson(192, 256))
     assert clustered.ci_high - clustered.ci_low > 1.9 * (independent.ci_high - independent.ci_low)
+
+
+def test_success_is_reported_per_task_source_when_an_evaluation_draws_from_several() -> None:
+    """`--sources reverse-3,...,reverse-6` measures each word length apart: where a policy stands on each."""
+    def episode(i: int, length: int, solved: bool) -> object:
+        spec = json.dumps({"answer": "x" * length, "source": f"builtin:reverse-{length}"})
+        return replace(trajectory(f"e-{i}", reward=float(solved), domain="text"), task_id=f"t-{i}", task_spec=spec)
+
+    episodes = [episode(i, 3, True) for i in range(6)] + [episode(10 + i, 6, i == 0) for i in range(4)]
+    result = summarise(5, "greedy", episodes)  # type: ignore[arg-type]
+    assert result.successes == 7 and result.by_source == {"builtin:reverse-3": [6, 6], "builtin:reverse-6": [1, 4]}
+    assert result.line().endswith("; builtin:reverse-3 1.00 (6/6), builtin:reverse-6 0.25 (1/4)")
+    one_source = summarise(5, "greedy", episodes[:6])  # type: ignore[arg-type]
+    assert one_source.by_source == {"builtin:reverse-3": [6, 6]} and "builtin" not in one_source.line()
+    untyped = summarise(5, "greedy", [replace(episodes[0], task_spec="not json")])  # type: ignore[arg-type]
+    assert untyped.by_source == {"text": [1, 1]}
