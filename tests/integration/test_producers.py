@@ -288,6 +288,22 @@ def test_a_worker_makes_exactly_its_quota_of_episodes_per_version(stack: Setting
     assert len(events_by_episode(stack, topics)) == 20
 
 
+def add_batches(stack: Settings, topics: Topics, n: int) -> None:
+    """n records on the batches topic: what the learner's demand counts."""
+    pub = Publisher(stack)
+    for i in range(n):
+        pub.send(topics.batches, None, f"batch-{i}".encode())
+    pub.close()
+
+
+def close_worker(worker: RolloutWorker) -> None:
+    worker.follower.stop()
+    worker.sink.close()
+    worker.metrics_out.close()
+    worker.code_runner.close()
+    worker.demand.close()
+
+
 @pytest.mark.parametrize("fixed", [False, True], ids=["following-demand", "fixed-quota"])
 def test_a_worker_past_its_quota_makes_what_the_learner_lacks_at_the_rate_its_episodes_fill_batches(
         stack: Settings, topics: Topics, store: ObjectStore, fixed: bool) -> None:
@@ -304,13 +320,7 @@ def test_a_worker_past_its_quota_makes_what_the_learner_lacks_at_the_rate_its_ep
     worker = RolloutWorker(settings, stack)
     base = {k: v.clone() for k, v in worker.backend.model.state_dict().items() if k != "lm_head.weight"}
 
-    def add_batches(n: int) -> None:
-        pub = Publisher(stack)
-        for i in range(n):
-            pub.send(topics.batches, None, f"batch-{i}".encode())
-        pub.close()
-
-    add_batches(1)
+    add_batches(stack, topics, 1)
     publish_checkpoint(stack, store, topics, 0, base, next_batches=8)
     worker.follower.start()
     steps, waits = [], []
@@ -318,19 +328,15 @@ def test_a_worker_past_its_quota_makes_what_the_learner_lacks_at_the_rate_its_ep
         worker.wait_for_published_weights()
         for i in range(5):
             if i == 2:
-                add_batches(4)  # what the quota's 8 episodes added
+                add_batches(stack, topics, 4)  # what the quota's 8 episodes added
             if i == 4:
-                add_batches(3)  # the learner has its 8 batches: the wait before the next step is for v1
+                add_batches(stack, topics, 3)  # the learner has its 8 batches: the wait before the next step is for v1
             made = worker.stats.episodes
             worker.step()
             steps.append(worker.stats.episodes - made)
             waits.append((worker.stats.quota_waits, worker.stats.demand_steps))
     finally:
-        worker.follower.stop()
-        worker.sink.close()
-        worker.metrics_out.close()
-        worker.code_runner.close()
-        worker.demand.close()
+        close_worker(worker)
     if fixed:
         assert steps == [4, 4, 4, 4, 4] and waits == [(0, 0), (0, 0), (1, 0), (1, 0), (2, 0)]
     else:
@@ -347,9 +353,7 @@ def test_a_worker_whose_episodes_added_no_batch_makes_a_whole_quota_more_at_most
                               demand_settle_s=0.3, max_policy_lag=9)
     worker = RolloutWorker(settings, stack)
     base = {k: v.clone() for k, v in worker.backend.model.state_dict().items() if k != "lm_head.weight"}
-    pub = Publisher(stack)
-    pub.send(topics.batches, None, b"batch-0")
-    pub.close()
+    add_batches(stack, topics, 1)
     publish_checkpoint(stack, store, topics, 0, base, next_batches=4)
     worker.follower.start()
     try:
@@ -358,11 +362,7 @@ def test_a_worker_whose_episodes_added_no_batch_makes_a_whole_quota_more_at_most
         worker.step()
         assert worker.episodes_the_learner_lacks(waited_s=1.0) == 8
     finally:
-        worker.follower.stop()
-        worker.sink.close()
-        worker.metrics_out.close()
-        worker.code_runner.close()
-        worker.demand.close()
+        close_worker(worker)
 
 
 def test_a_worker_a_version_ahead_holds_a_second_quota_and_waits_only_when_both_are_made(
