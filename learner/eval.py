@@ -32,6 +32,7 @@ from schemas.codec import codec
 from schemas.errors import CheckpointError, PipelineError
 from schemas.manifests import CheckpointManifest
 from schemas.records import Trajectory
+from schemas.tasks import TaskSpecError, decode_task_spec
 from schemas.topics import Topics
 
 Z95 = 1.959964
@@ -89,10 +90,9 @@ def outcome_ok(t: Trajectory) -> bool:
 def task_source(t: Trajectory) -> str:
     """The source a trajectory's task was drawn from (its spec's `source`, e.g. builtin:reverse-6), else its domain."""
     try:
-        spec = json.loads(t.task_spec)
-    except ValueError:
+        return str(decode_task_spec(t.task_spec, t.domain).get("source") or t.domain)
+    except TaskSpecError:
         return t.domain
-    return str(spec.get("source") or t.domain) if isinstance(spec, dict) else t.domain
 
 
 def summarise(version: int, mode: str, trajectories: list[Trajectory]) -> EvalResult:
@@ -100,15 +100,15 @@ def summarise(version: int, mode: str, trajectories: list[Trajectory]) -> EvalRe
     one episode a task (sampled mode's --group-size > 1) the interval counts tasks, not episodes (at the rate the
     episodes give), which never claims more certainty than the tasks hold."""
     n = len(trajectories)
-    wins = sum(map(outcome_ok, trajectories))
-    tasks = len({t.task_id for t in trajectories})
-    low, high = wilson(wins * tasks / max(1, n), tasks)  # one episode a task: wilson(wins, n)
-    share = 1 / max(1, n)
     by_source: dict[str, list[int]] = {}
     for t in trajectories:
         counts = by_source.setdefault(task_source(t), [0, 0])
         counts[0] += outcome_ok(t)
         counts[1] += 1
+    wins = sum(solved for solved, _ in by_source.values())
+    tasks = len({t.task_id for t in trajectories})
+    low, high = wilson(wins * tasks / max(1, n), tasks)  # one episode a task: wilson(wins, n)
+    share = 1 / max(1, n)
     return EvalResult(version=version, mode=mode, episodes=n, successes=wins, success=wins * share, ci_low=low,
                       ci_high=high, single_step=sum(map(first_attempt_ok, trajectories)) * share,
                       multi_turn=sum(map(any_attempt_ok, trajectories)) * share,

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import replace
 
 import pytest
@@ -11,6 +10,7 @@ import learner.eval as evaluation
 from learner.eval import Evaluation, summarise, wilson
 from producers.settings import from_args
 from producers.worker import task_mixer
+from schemas.tasks import encode_task_spec, make_spec
 from tests.taps import trajectory
 
 
@@ -58,7 +58,7 @@ def test_several_samples_of_a_task_give_an_interval_as_wide_as_their_tasks_allow
 def test_success_is_reported_per_task_source_when_an_evaluation_draws_from_several() -> None:
     """`--sources reverse-3,...,reverse-6` measures each word length apart: where a policy stands on each."""
     def episode(i: int, length: int, solved: bool) -> object:
-        spec = json.dumps({"answer": "x" * length, "source": f"builtin:reverse-{length}"})
+        spec = encode_task_spec(make_spec("text", answer="x" * length, source=f"builtin:reverse-{length}"))
         return replace(trajectory(f"e-{i}", reward=float(solved), domain="text"), task_id=f"t-{i}", task_spec=spec)
 
     episodes = [episode(i, 3, True) for i in range(6)] + [episode(10 + i, 6, i == 0) for i in range(4)]
