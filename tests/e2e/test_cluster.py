@@ -36,7 +36,7 @@ def test_a_broker_killed_mid_run_on_a_three_broker_cluster_loses_and_duplicates_
         run.start("writer", "consumers.shard_writer", "--max-trajectories", "16", "--max-age-s", "2")
         run.start("learner", "learner", *MODEL, "--updates-per-checkpoint", "2", "--max-policy-lag", "1000",
                   "--cache-dir", str(tmp_path / "cache"))
-        run.start("producer", "producers", *run.producer_args(192, "producer", 1))
+        run.start("producer", "producers", *run.producer_args(96, "producer", 1))
         run.wait_until("trajectories", lambda: run.count(t.trajectories) >= 40)
 
         # the broker that leads the events' first partition dies: leadership moves, writes go on with 2 of 3
@@ -49,11 +49,15 @@ def test_a_broker_killed_mid_run_on_a_three_broker_cluster_loses_and_duplicates_
         killed = time.monotonic()
         status = run.launcher.status()
         assert not status[victim]["running"] and sum(s["running"] for s in status.values()) == 3, status
+        # a second worker starts while the broker is away: its episodes are written with 2 of 3 whatever the
+        # first worker had left (it may have finished before the kill)
+        run.start("producer-2", "producers", *run.producer_args(96, "producer-2", 2))
         run.wait_until("trajectories while a broker is away", lambda: run.count(t.trajectories) >= before + 24)
         time.sleep(max(0.0, killed + BROKER_AWAY_S - time.monotonic()))
         assert run.launcher.start(victim) == "started"
 
-        assert run.procs["producer"].wait(timeout=400) == 0, run.logs()
+        for name in ("producer", "producer-2"):
+            assert run.procs[name].wait(timeout=400) == 0, run.logs()
         run.wait_until("every started episode closed", lambda: not unclosed_episodes(run), timeout=300, every=5)
         for topic in (t.trajectories, t.scored, t.batches):
             run.settled(topic)
