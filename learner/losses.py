@@ -25,9 +25,22 @@ def gather_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
 
 def token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0) -> Tensor:
     """Log-prob of each next token under softmax(logits / T), the convention the rollout workers record."""
+    return token_logprobs_and_greedy(model, input_ids, attention_mask, temperature)[0]
+
+
+def token_logprobs_and_greedy(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                              temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """token_logprobs, and whether each next token is the one greedy decoding picks there (its argmax)."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     logits = out.logits[:, :-1].float() / temperature                        # (B, T-1, V), fp32 under autocast
-    return gather_logprobs(logits, input_ids[:, 1:])                         # (B, T-1)
+    targets = input_ids[:, 1:]                                               # (B, T-1)
+    return gather_logprobs(logits, targets), logits.argmax(-1) == targets    # (B, T-1) each
+
+
+def greedy_reproduced(greedy: Tensor, mask: Tensor) -> Tensor:
+    """Per sequence, whether greedy decoding from its prompt writes its generated tokens exactly: the argmax at
+    every masked position (teacher forcing follows greedy decoding as long as the two agree). (B,) bool"""
+    return torch.where(mask.bool(), greedy, torch.ones_like(greedy)).all(-1) & mask.bool().any(-1)
 
 
 def masked_sum(x: Tensor, mask: Tensor) -> Tensor:

@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from statistics import fmean as mean
 from typing import Any, Optional
 
 import torch
@@ -37,8 +38,8 @@ from learner.checkpoint_files import (
 from infra.faults import fault_point
 from learner.distributed import SAVE, START, STOP, TRAIN, World, join, pack, rank_device, unpack
 from learner.model import build_policy, frozen_reference
-from learner.settings import SFT_LOSS_WINDOW, LearnerSettings, shaping_args
-from learner.update import Lineage, TrainConfig, Trainer, select_trajectories
+from learner.settings import SFT_LOSS_WINDOW, SFT_MATCH_WINDOW, LearnerSettings, shaping_args
+from learner.update import GREEDY_MATCH, Lineage, TrainConfig, Trainer, select_trajectories
 from schemas.codec import codec
 from schemas.manifests import LEARNER_FINISHED_LINE, CheckpointManifest
 from schemas.errors import CheckpointError, ConfigError, PipelineError
@@ -90,9 +91,10 @@ class PolicyHolder:
     """What every rank holds: the policy, its trainer and KL/DPO anchor, and the version it is at."""
 
     def __init__(self, settings: LearnerSettings, platform: Settings, world: World) -> None:
-        if settings.sft_until_loss is not None and world.distributed:
-            # the other ranks learn the phase from the update count rank 0 sends, not from its losses
-            raise ConfigError("--sft-until-loss runs in one learner process: under torchrun give --sft-updates alone")
+        if (settings.sft_until_loss is not None or settings.sft_until_match is not None) and world.distributed:
+            # the other ranks learn the phase from the update count rank 0 sends, not from its figures
+            raise ConfigError("--sft-until-loss and --sft-until-match run in one learner process: under torchrun give "
+                              "--sft-updates alone")
         self.s = settings
         self.platform = platform
         self.world = world
@@ -103,34 +105,47 @@ class PolicyHolder:
         self.model: Any = None
         self.version = 0
         self.updates = 0
-        # --sft-until-loss: the update count at which the SFT phase ended early (None: not yet, or not early),
-        # and the latest SFT losses it is judged on; both saved with every checkpoint
+        # --sft-until-loss / --sft-until-match: the update count at which the SFT phase ended early (None: not yet,
+        # or not early), and the latest SFT losses and greedy matches it is judged on; all saved with every checkpoint
         self.sft_end: Optional[int] = None
         self.sft_losses: list[float] = []
+        self.sft_matches: list[float] = []
         self.reference: Any = None  # the KL / DPO anchor: checkpoint v{reference_version}, never the restored policy
         # Whose versions the data's turns count in: set from the store in resume() (a run started with --init)
         self.lineage = Lineage(run=settings.ns, replicates=settings.replica_of)
         self.trainer: Trainer
 
     def sft_updates(self) -> int:
-        """Updates of the SFT phase: --sft-updates, or fewer where --sft-until-loss ended it early."""
+        """Updates of the SFT phase: --sft-updates, or fewer where --sft-until-loss/--sft-until-match ended it early."""
         return self.s.sft_updates if self.sft_end is None else self.sft_end
+
+    def last_update(self) -> Optional[int]:
+        """The update count the run stops at: --max-updates, or --rl-updates after the SFT phase (None: never)."""
+        return self.sft_updates() + self.s.rl_updates if self.s.rl_updates is not None else self.s.max_updates
 
     def phase_algorithm(self, updates: int) -> str:
         return "sft" if updates < self.sft_updates() else self.s.algorithm
 
-    def judge_sft_loss(self, metrics: dict[str, float]) -> None:
-        """After an SFT update: end the phase once the mean loss of its latest updates reaches --sft-until-loss."""
-        target = self.s.sft_until_loss
-        if target is None or self.sft_end is not None or "loss/sft" not in metrics:
+    def judge_sft(self, metrics: dict[str, float]) -> None:
+        """After an SFT update: end the phase once the mean of its latest losses reaches --sft-until-loss, or the mean
+        of its latest greedy matches --sft-until-match."""
+        if self.sft_end is not None or "loss/sft" not in metrics:
             return
         self.sft_losses = [*self.sft_losses, metrics["loss/sft"]][-SFT_LOSS_WINDOW:]
-        mean = sum(self.sft_losses) / len(self.sft_losses)
-        if len(self.sft_losses) == SFT_LOSS_WINDOW and mean <= target and self.updates < self.s.sft_updates:
+        self.sft_matches = [*self.sft_matches, metrics.get(GREEDY_MATCH, 0.0)][-SFT_MATCH_WINDOW:]
+        loss, match = mean(self.sft_losses), mean(self.sft_matches)
+        why = ""
+        if self.s.sft_until_loss is not None and len(self.sft_losses) == SFT_LOSS_WINDOW and loss <= self.s.sft_until_loss:
+            why = f"mean loss of the last {SFT_LOSS_WINDOW} {loss:.4f} <= {self.s.sft_until_loss}"
+        if self.s.sft_until_match is not None and len(self.sft_matches) == SFT_MATCH_WINDOW \
+                and match >= self.s.sft_until_match:
+            why = (f"greedy decoding wrote {match:.3f} of the last {SFT_MATCH_WINDOW} updates' demonstrations before "
+                   f"training on them, >= {self.s.sft_until_match}")
+        if why and self.updates < self.s.sft_updates:
             self.sft_end = self.updates
             if self.world.leader:
-                print(f"SFT phase ends after {self.updates} of at most {self.s.sft_updates} updates: mean loss of "
-                      f"the last {SFT_LOSS_WINDOW} {mean:.4f} <= {target}", file=sys.stderr, flush=True)
+                print(f"SFT phase ends after {self.updates} of at most {self.s.sft_updates} updates: {why}",
+                      file=sys.stderr, flush=True)
 
     def make_trainer(self, algorithm: str) -> Trainer:
         config = train_config(self.s, algorithm)
@@ -159,6 +174,7 @@ class PolicyHolder:
         end = state.trainer.get("sft_end")
         self.sft_end = None if end is None else int(end)
         self.sft_losses = [float(x) for x in state.trainer.get("sft_losses", [])]
+        self.sft_matches = [float(x) for x in state.trainer.get("sft_matches", [])]
         self.model = model_from_config(state.model_config).to(self.device)
         self.version = loaded.manifest.version
         self.trainer = self.make_trainer(self.phase_algorithm(self.updates))
@@ -362,7 +378,8 @@ class LearnerService(PolicyHolder):
         moments = initial or final or self.version % self.s.moments_every == 0
         state = self.trainer.state_dict_for_checkpoint(moments=moments)
         state.trainer.update(updates=self.updates, version=self.version, trained_batch_ids=self.trained_ids,
-                             learner_args=shaping_args(self.s), sft_end=self.sft_end, sft_losses=self.sft_losses)
+                             learner_args=shaping_args(self.s), sft_end=self.sft_end, sft_losses=self.sft_losses,
+                             sft_matches=self.sft_matches)
         files = write_checkpoint(state, moments=state.optimizer is not None, broadcast_bf16=self.s.broadcast_bf16)
         manifest = CheckpointManifest(
             run=self.s.ns, version=self.version, step=self.updates, algorithm=self.trainer.config.algorithm,
@@ -472,7 +489,8 @@ class LearnerService(PolicyHolder):
         while True:
             needed += self.batches_per_update(updates)
             updates += 1
-            if self.checkpoint_due(updates) or (self.s.max_updates is not None and updates >= self.s.max_updates):
+            last = self.last_update()
+            if self.checkpoint_due(updates) or (last is not None and updates >= last):
                 return needed
 
     def update(self, batches: list[LoadedBatch]) -> dict[str, float]:
@@ -491,7 +509,7 @@ class LearnerService(PolicyHolder):
         updated = bool(metrics.get("train/updated", 0.0))
         if updated:
             self.updates += 1
-            self.judge_sft_loss(metrics)
+            self.judge_sft(metrics)
             self.skipped.update(unfetched)
             self.skipped.update(self.untrainable([b for b in batches if b.manifest.batch_id not in unfetched]))
             self.untrained.update(self.trainer.last_dropped)
@@ -525,7 +543,8 @@ class LearnerService(PolicyHolder):
         self.publisher.poll(0)
 
     def progress(self, metrics: dict[str, float], batch_ids: list[str]) -> None:
-        total = f"/{self.s.max_updates}" if self.s.max_updates else ""
+        last = self.last_update()
+        total = f"/{last}" if last else ""
         for batch_id in batch_ids:
             if batch_id in self.skipped:
                 print(f"batch {batch_id} skipped [{self.trainer.config.algorithm}] v{self.version}: "
@@ -533,17 +552,19 @@ class LearnerService(PolicyHolder):
         if not metrics.get("train/updated"):
             return
         share = self.timing["wait_s"] / max(1e-9, self.timing["wait_s"] + self.timing["compute_s"])
+        match = f" greedy match {metrics[GREEDY_MATCH]:.2f}" if GREEDY_MATCH in metrics else ""
         print(f"update {self.updates}{total} [{self.trainer.config.algorithm}] v{self.version} "
               f"loss {metrics.get('loss/total', float('nan')):.4f} reward {metrics.get('rollout/reward_mean', 0):.3f} "
               f"clip {metrics.get('stats/clip_frac', 0):.3f} grad {metrics.get('stats/grad_norm', 0):.2f} "
-              f"waiting {share:.0%}", file=sys.stderr, flush=True)
+              f"waiting {share:.0%}{match}", file=sys.stderr, flush=True)
 
     # ---- loop ----------------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:
         self._stop = True
 
     def done(self, idle_since: float) -> bool:
-        if self._stop or (self.s.max_updates is not None and self.updates >= self.s.max_updates):
+        last = self.last_update()
+        if self._stop or (last is not None and self.updates >= last):
             return True
         return self.s.idle_exit_s is not None and time.monotonic() - idle_since > self.s.idle_exit_s
 
@@ -573,8 +594,9 @@ class LearnerService(PolicyHolder):
             if any(b not in self.skipped for b in self.pending_ids):
                 self.checkpoint(final=True)  # a clean stop keeps every trained batch, and the moments
             self.finish_publishing()
-            if self.s.max_updates is not None and self.updates >= self.s.max_updates:
-                print(f"{LEARNER_FINISHED_LINE} {self.s.max_updates} at v{self.version}", file=sys.stderr,
+            last = self.last_update()
+            if last is not None and self.updates >= last:
+                print(f"{LEARNER_FINISHED_LINE} {last} at v{self.version}", file=sys.stderr,
                       flush=True)
             self.world.send(STOP)
         finally:

@@ -19,6 +19,7 @@ from schemas.topics import Topics
 # batches (a few dozen tokens a row) are split into a handful of parts at most.
 DEFAULT_MICRO_BATCH_TOKENS = 8192
 SFT_LOSS_WINDOW = 5  # --sft-until-loss compares the mean SFT loss of this many latest updates
+SFT_MATCH_WINDOW = 5  # --sft-until-match: the mean greedy match of this many latest SFT updates (5 x 32 rows)
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,9 @@ class LearnerSettings:
     # End the SFT phase early once the mean SFT loss of the last SFT_LOSS_WINDOW updates is at or under this
     # (None: always sft_updates); sft_updates stays the most it takes
     sft_until_loss: float | None = None
+    # ... or once greedy decoding wrote this share of the last SFT_MATCH_WINDOW updates' demonstrations token for
+    # token before training on them (an estimate of greedy success on unseen tasks; None: not judged)
+    sft_until_match: float | None = None
     lr: float = 1e-4
     sft_lr: float | None = None  # learning rate of the SFT warm start (None: lr)
     warmup_updates: int = 0  # linear learning-rate warmup over the run's first N updates
@@ -36,6 +40,7 @@ class LearnerSettings:
     sft_updates_per_checkpoint: int | None = None  # during the SFT phase (None: updates_per_checkpoint)
     rl_batches_per_update: int = 1  # shards merged into one policy-gradient update
     max_updates: int | None = None
+    rl_updates: int | None = None  # stop this many updates after the SFT phase ends (an early end or not)
     idle_exit_s: float | None = None  # stop after this long without data (None: wait forever)
     max_policy_lag: int = 4
     lag_mode: str = "drop"
@@ -90,6 +95,13 @@ class LearnerSettings:
             (self.sft_until_loss is None or self.sft_until_loss > 0, "--sft-until-loss must be > 0 (or omit it)"),
             (self.sft_until_loss is None or self.sft_updates > 0, "--sft-until-loss needs --sft-updates (the most "
                                                                   "the SFT phase takes)"),
+            (self.sft_until_match is None or 0 < self.sft_until_match <= 1,
+             "--sft-until-match is a share of the demonstrations: give 0 < F <= 1 (or omit it)"),
+            (self.sft_until_match is None or self.sft_updates > 0, "--sft-until-match needs --sft-updates (the most "
+                                                                   "the SFT phase takes)"),
+            (self.rl_updates is None or self.rl_updates >= 1, "--rl-updates must be >= 1 (or omit it)"),
+            (self.rl_updates is None or self.max_updates is None,
+             "give --max-updates (updates in all) or --rl-updates (updates after the SFT phase), not both"),
             (self.algorithm in ("grpo", "ppo", "sft", "dpo"), f"--algorithm {self.algorithm!r}: grpo, ppo, sft or dpo"),
             (self.lr > 0, "--lr must be > 0"),
             (self.sft_lr is None or self.sft_lr > 0, "--sft-lr must be > 0 (or omit it to use --lr)"),
@@ -145,6 +157,10 @@ def parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
     p.add_argument("--sft-until-loss", type=float, default=None, metavar="L",
                    help=f"end the SFT phase early once the mean SFT loss of its last {SFT_LOSS_WINDOW} updates is at or "
                         "under L (--sft-updates stays the most it takes)")
+    p.add_argument("--sft-until-match", type=float, default=None, metavar="F",
+                   help=f"end the SFT phase early once greedy decoding wrote a share F of the demonstrations of its last "
+                        f"{SFT_MATCH_WINDOW} updates token for token before training on them: greedy success on tasks "
+                        "it has not seen, for exact-match tasks (--sft-updates stays the most it takes)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--sft-lr", type=float, default=None, help="learning rate of the SFT warm start (default: --lr)")
     p.add_argument("--warmup-updates", type=int, default=0, metavar="N",
@@ -156,6 +172,8 @@ def parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
     p.add_argument("--sft-updates-per-checkpoint", type=int, default=None,
                    help="checkpoint interval of the SFT phase (default: --updates-per-checkpoint); its end always is one")
     p.add_argument("--max-updates", type=int, default=None)
+    p.add_argument("--rl-updates", type=int, default=None, metavar="N",
+                   help="stop N updates after the SFT phase ends, however early it ends (instead of --max-updates)")
     p.add_argument("--idle-exit", type=float, default=None, help="stop after S seconds without a batch")
     p.add_argument("--max-policy-lag", type=int, default=4)
     p.add_argument("--lag-mode", default="drop", choices=["drop", "downweight"])
@@ -256,12 +274,13 @@ def from_args(argv: list[str] | None = None, env: Optional[Mapping[str, str]] = 
     if not a.ns:
         raise ConfigError("--ns is required (or set TRAJPIPE_NS)")
     return LearnerSettings(
-        ns=a.ns, algorithm=a.algorithm, sft_updates=a.sft_updates, sft_until_loss=a.sft_until_loss, lr=a.lr,
+        ns=a.ns, algorithm=a.algorithm, sft_updates=a.sft_updates, sft_until_loss=a.sft_until_loss,
+        sft_until_match=a.sft_until_match, lr=a.lr,
         sft_lr=a.sft_lr,
         warmup_updates=a.warmup_updates,
         updates_per_checkpoint=a.updates_per_checkpoint, sft_updates_per_checkpoint=a.sft_updates_per_checkpoint,
         rl_batches_per_update=a.rl_batches_per_update,
-        max_updates=a.max_updates, idle_exit_s=a.idle_exit,
+        max_updates=a.max_updates, rl_updates=a.rl_updates, idle_exit_s=a.idle_exit,
         max_policy_lag=a.max_policy_lag, lag_mode=a.lag_mode, temperature=a.temperature, kl_coef=a.kl_coef,
         clip_eps=a.clip_eps, dual_clip=a.dual_clip or None, reference_version=a.reference_version,
         grad_accum=a.grad_accum, micro_batch_tokens=a.micro_batch_tokens, max_len=a.max_len, layers=a.layers,
@@ -292,6 +311,8 @@ def shaping_args(s: LearnerSettings) -> list[str]:
         args += ["--sft-lr", repr(s.sft_lr)]
     if s.sft_until_loss is not None:
         args += ["--sft-until-loss", repr(s.sft_until_loss)]
+    if s.sft_until_match is not None:
+        args += ["--sft-until-match", repr(s.sft_until_match)]
     if s.warmup_updates:
         args += ["--warmup-updates", str(s.warmup_updates)]
     if s.sft_updates_per_checkpoint is not None:

@@ -23,8 +23,9 @@ def has_moments(names: Iterable[str]) -> bool:
     """Whether a checkpoint of these files (or manifest entries) carries the optimizer state."""
     return set(MOMENT_FILES) <= set(names)
 
-# The learner says this on stderr when it reached --max-updates: a supervisor reads it to know the run is over.
-LEARNER_FINISHED_LINE = "reached --max-updates"
+# The learner says this on stderr when it made its last update (--max-updates, or --rl-updates after the SFT
+# phase), followed by the update count: a supervisor reads it to know the run is over.
+LEARNER_FINISHED_LINE = "made its last update:"
 
 
 @dataclass(frozen=True)

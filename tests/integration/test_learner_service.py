@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -24,7 +25,7 @@ from learner import checkpoint_store
 from learner.checkpoint_files import read_checkpoint
 from schemas import codec
 from schemas.keys import batch_id, shard_key
-from schemas.manifests import CheckpointManifest
+from schemas.manifests import LEARNER_FINISHED_LINE, CheckpointManifest
 from schemas.packing import pack_floats, pack_ids
 from schemas.records import BatchManifest, SourcePosition, Trajectory, TrajectoryTurn
 from schemas.topics import Topics
@@ -33,8 +34,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def trajectory(rng: random.Random, ns: str, i: int, status: str = "completed", version: int = 0) -> Trajectory:
-    gen = [rng.randrange(3, 259) for _ in range(rng.randint(3, 8))] + [1]
+def trajectory(rng: random.Random, ns: str, i: int, status: str = "completed", version: int = 0,
+               answer: tuple[int, ...] = ()) -> Trajectory:
+    gen = list(answer) or [rng.randrange(3, 259) for _ in range(rng.randint(3, 8))] + [1]
     reward = float(rng.random() < 0.5)
     turn = TrajectoryTurn(turn=0, policy_version=version, obs_text="", obs_tokens=b"", text="x", tokens=pack_ids(gen),
                           logprobs=pack_floats([-1.5] * len(gen)), finish_reason="stop")
@@ -49,10 +51,11 @@ def trajectory(rng: random.Random, ns: str, i: int, status: str = "completed", v
 
 def publish_batches(stack: Settings, store: ObjectStore, topics: Topics, n_batches: int,
                     aborted: tuple[int, ...] = (), versions: dict[int, int | tuple[int, ...]] | None = None,
-                    run: str | None = None) -> list[str]:
+                    run: str | None = None, answer: tuple[int, ...] = ()) -> list[str]:
     """n_batches of 4 trajectories (the same bytes for every namespace); batches in `aborted` train nothing;
     `versions`: batch -> the policy version of its turns, or of each trajectory's (default 0); `run`: the run
-    that generated them (default: this namespace's; another one's for replayed history)."""
+    that generated them (default: this namespace's; another one's for replayed history); `answer`: the tokens
+    every trajectory generated (default: random ones)."""
     rng = random.Random(3)
     pub = Publisher(stack)
     ids = []
@@ -61,7 +64,7 @@ def publish_batches(stack: Settings, store: ObjectStore, topics: Topics, n_batch
         status = "aborted" if b in aborted else "completed"
         given = (versions or {}).get(b, 0)
         each = given if isinstance(given, tuple) else (given,) * 4
-        trajs = [trajectory(rng, run or topics.ns, i, status, each[i - first]) for i in range(first, last + 1)]
+        trajs = [trajectory(rng, run or topics.ns, i, status, each[i - first], answer) for i in range(first, last + 1)]
         key = shard_key(topics.ns, topics.scored, 0, first, last)
         data = write_shard(trajs, key)
         sha = store.put_verified(key, data)
@@ -789,3 +792,24 @@ def test_the_sft_phase_ends_at_its_loss_target_and_a_restarted_learner_stays_in_
     phases = [(m.step, m.algorithm) for m in lineage]
     assert phases[:4] == [(0, "sft"), (2, "sft"), (4, "sft"), (5, "sft")]  # the phase's end is a checkpoint
     assert [a for _, a in phases[4:]] == ["grpo"] * (len(phases) - 4) and phases[-1][0] > 7
+
+
+def test_the_sft_phase_ends_once_greedy_decoding_writes_the_demonstrations_and_rl_updates_follow_it(
+        stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
+    """--sft-until-match: every trajectory here answers the same; once the policy wrote 0.9 of the last 5 SFT
+    updates' sequences greedily before training on them, the SFT phase ends (well before --sft-updates), and
+    --rl-updates counts the RL phase from there."""
+    publish_batches(stack, store, topics, 60, answer=(55, 56, 57, 1))
+    proc = run_learner(stack, topics.ns, tmp_path, None, "--algorithm", "grpo", "--sft-updates", "50",
+                       "--sft-until-match", "0.9", "--rl-updates", "3", "--lr", "1e-2", "--max-policy-lag", "100")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ended = re.search(r"SFT phase ends after (\d+) of at most 50 updates: greedy decoding wrote ([0-9.]+)", proc.stderr)
+    assert ended, proc.stderr[-3000:]
+    end, match = int(ended[1]), float(ended[2])
+    assert 5 <= end < 50 and match >= 0.9
+    matches = [float(m) for m in re.findall(r"greedy match ([0-9.]+)", proc.stderr)]
+    assert len(matches) == end and matches[0] < 0.9  # one figure per SFT update; the untrained policy wrote few
+    assert f"{LEARNER_FINISHED_LINE} {end + 3} " in proc.stderr
+    lineage = announced_lineage(stack, store, topics)
+    assert [m.step for m in lineage if m.algorithm == "sft"][-1] == end  # the phase's end is a checkpoint
+    assert lineage[-1].step == end + 3 and lineage[-1].algorithm == "grpo"

@@ -76,6 +76,23 @@ def test_an_sft_phase_ended_early_by_its_loss_target_is_judged_from_the_version_
                                               "post-SFT +0.234")  # from v1 (0.391); from v2 it would be +0.117
 
 
+def test_the_demo_ends_its_sft_phase_by_the_greedy_match_and_counts_the_rl_phase_from_there() -> None:
+    from infra.demo import SFT_MOST, SFT_UNTIL_MATCH, SFT_UPDATES
+
+    def learner_flags(argv: list[str]) -> dict[str, str]:
+        learner = next(s for s in plan(parser().parse_args(argv), "ns") if s.name == "learner").argv
+        return {flag: learner[i + 1] for i, flag in enumerate(learner) if flag.startswith("--") and i + 1 < len(learner)}
+
+    flags = learner_flags([])
+    assert flags["--sft-updates"] == str(SFT_MOST) and flags["--sft-until-match"] == str(SFT_UNTIL_MATCH)
+    assert flags["--rl-updates"] == "80" and "--max-updates" not in flags  # 80 GRPO updates however early SFT ends
+    assert flags["--warmup-updates"] == str(SFT_UPDATES // 10)  # a tenth of where it was calibrated, not of the most
+    demos = next(s for s in plan(parser().parse_args([]), "ns") if s.name == "demonstrations").argv
+    assert demos[demos.index("--demonstrations") + 1] == str(SFT_MOST * 64)  # enough for the longest phase
+    fixed = learner_flags(["--sft-until-match", "0", "--sft-updates", "200"])
+    assert "--sft-until-match" not in fixed and fixed["--warmup-updates"] == "20"
+
+
 def test_rollout_workers_start_with_the_rl_phase_and_at_once_without_an_sft_phase() -> None:
     def starts(argv: list[str]) -> dict[str, str]:
         args = apply_preset(parser().parse_args(argv), argv)

@@ -342,6 +342,27 @@ def test_sft_drives_the_loss_down() -> None:
     assert losses[-1] < 0.25 * losses[0]
 
 
+def test_an_sft_update_counts_the_demonstrations_greedy_decoding_already_writes_before_it_trains() -> None:
+    """sft/greedy_match: the share of an SFT update's sequences the policy, before the update, decodes greedily token
+    for token (what `generate` writes without sampling), over micro-batches and with sequences of other lengths."""
+    model = tiny_model(seed=3)
+    prompts = [byte_ids(p) for p in ("ab:", "cde:", "f:", "ghij:")]
+    demos = []
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=4 + i, pad_token_id=PAD_ID)
+        greedy = out[0, len(prompt):].tolist()
+        if i % 2:  # every other one differs from greedy decoding in its last token only
+            greedy[-1] = DIGITS[0] if greedy[-1] != DIGITS[0] else DIGITS[1]
+        demos.append(make_trajectory(prompt, [([], greedy, [0.0] * len(greedy), DEMONSTRATION_VERSION)], reward=1.0))
+    trainer = Trainer(model, TrainConfig(algorithm="sft", lr=1e-3, micro_batch_tokens=20))
+    metrics = trainer.step(demos, current_version=0)
+    assert metrics["batch/sequences"] == 4 and metrics["sft/greedy_match"] == 0.5
+    assert "sft/greedy_reproduced" not in metrics
+    grpo = Trainer(tiny_model(), TrainConfig(algorithm="grpo", lr=1e-3)).step(_batch_for(tiny_model()), 0)
+    assert "sft/greedy_match" not in grpo  # a figure of imitation only
+
+
 def _warm_start_on_digits(model: PreTrainedModel) -> None:
     """SFT on every digit equally: the policy then says a uniformly random digit (reward 0.1 on average)."""
     sft = Trainer(model, TrainConfig(algorithm="sft", lr=1e-2))
