@@ -99,7 +99,8 @@ class LearnerSettings:
              "--sft-until-match is a share of the demonstrations: give 0 < F <= 1 (or omit it)"),
             (self.sft_until_match is None or self.sft_updates > 0, "--sft-until-match needs --sft-updates (the most "
                                                                    "the SFT phase takes)"),
-            (self.rl_updates is None or self.rl_updates >= 1, "--rl-updates must be >= 1 (or omit it)"),
+            (self.rl_updates is None or self.rl_updates >= 0, "--rl-updates must be >= 0 (0: stop when the SFT phase "
+                                                               "ends; or omit it)"),
             (self.rl_updates is None or self.max_updates is None,
              "give --max-updates (updates in all) or --rl-updates (updates after the SFT phase), not both"),
             (self.algorithm in ("grpo", "ppo", "sft", "dpo"), f"--algorithm {self.algorithm!r}: grpo, ppo, sft or dpo"),

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from learner.service import train_config
 from learner.settings import LearnerSettings, from_args, shaping_args
 from learner.update import TrainConfig
@@ -43,8 +45,6 @@ def test_every_learner_setting_has_a_flag() -> None:
 
 def test_every_learner_flag_also_reads_its_environment_variable() -> None:
     import argparse
-
-    import pytest
 
     from learner.settings import ENV_PREFIX, parser
     from schemas.errors import ConfigError
@@ -121,3 +121,19 @@ def test_a_resume_says_which_versions_train_again_and_why() -> None:
     line = replay_line([manifest(3, MODEL_FILE), manifest(4, MODEL_FILE, *MOMENT_FILES), manifest(5, MODEL_FILE)])
     assert line == ("; v3..v5 train their batches again: v4 stored the optimizer state but their files do not "
                     "verify, the others are weights-only")
+
+
+@pytest.mark.parametrize(("argv", "fix"), [
+    (["--sft-updates", "10", "--sft-until-match", "1.5"], "give 0 < F <= 1"),
+    (["--sft-until-match", "0.6"], "--sft-until-match needs --sft-updates"),
+    (["--rl-updates", "5", "--max-updates", "20"], "not both"),
+    (["--rl-updates", "-1"], "--rl-updates must be >= 0"),
+])
+def test_an_sft_phase_ended_by_its_greedy_match_and_an_rl_phase_counted_from_it_refuse_what_cannot_work(
+        argv: list[str], fix: str) -> None:
+    from schemas.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=fix):
+        from_args(["--ns", "wired", *argv], env={})
+    assert from_args(["--ns", "wired", "--sft-updates", "10", "--sft-until-match", "1", "--rl-updates", "0"],
+                     env={}).rl_updates == 0
