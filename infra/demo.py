@@ -50,11 +50,14 @@ GOAL_FINAL, GOAL_RL_GAIN = 0.8, 0.2  # held-out greedy success of the final poli
 # The SFT phase's length sets both goals' odds, in opposite directions: too short leaves the 6-letter words
 # unseeded, which GRPO barely learns (a final near 0.76), too long leaves the RL phase no room for +0.2. In
 # process over six data orders (`bench_learning.py --sft-lengths 100,115`), 115 met both in more runs than 100;
-# in the pipeline the post-SFT success after 115 updates still ranged 0.50-0.82 over four runs. So the demo ends
-# its SFT phase by what the policy can do: once greedy decoding writes SFT_UNTIL_MATCH of the demonstrations it
-# has not trained on yet (learner --sft-until-match), after SFT_MOST updates at most.
+# in the pipeline the post-SFT success after 115 updates still ranged 0.50-0.82 over four runs, and a phase ended
+# once 0.65 of all demonstrations were written greedily left 6-letter words at 0.05 in one run of three. So the
+# demo draws each word length from its own source and ends the SFT phase once greedy decoding writes
+# SFT_UNTIL_MATCH of every length's demonstrations it has not trained on yet (learner --sft-until-match: the
+# weakest source decides), after SFT_MOST updates at most.
+SOURCES = "reverse-3,reverse-4,reverse-5,reverse-6"
 SFT_UPDATES = 115
-SFT_UNTIL_MATCH = 0.65
+SFT_UNTIL_MATCH = 0.2
 SFT_MOST = 160
 # A pretrained model without an SFT phase: its held-out gain over v0, within this many minutes of training.
 GOAL_PRETRAINED_GAIN, GOAL_PRETRAINED_MINUTES = 0.10, 45
@@ -387,7 +390,9 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ns", default=os.environ.get(NS_VAR) or f"demo-{time.strftime('%Y%m%d-%H%M%S')}",
                    help="namespace of the run (default: $TRAJPIPE_NS, else demo-<time>)")
-    p.add_argument("--sources", default="reverse")
+    p.add_argument("--sources", default=SOURCES,
+                   help="task sources (default: 3- to 6-letter reversals, one source per length, so that success is "
+                        "reported per length and the SFT phase ends when the hardest one is seeded)")
     p.add_argument("--init", default=None, metavar="RUN:vK",
                    help="start from that checkpoint's weights (verified) as this run's v0, e.g. a finished demo's "
                         "last version; with --sft-updates 0 the rollout workers start at once")
@@ -401,8 +406,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sft-updates", type=int, default=SFT_MOST,
                    help="updates imitating demonstrations (the most, with --sft-until-match or --sft-until-loss)")
     p.add_argument("--sft-until-match", type=float, default=SFT_UNTIL_MATCH, metavar="F",
-                   help="end the SFT phase once greedy decoding writes a share F of the demonstrations of its last 5 "
-                        "updates token for token before training on them (0: run all --sft-updates)")
+                   help="end the SFT phase once greedy decoding writes a share F of every task source's demonstrations "
+                        "of its last 5 updates token for token before training on them (0: run all --sft-updates)")
     p.add_argument("--sft-until-loss", type=float, default=None, metavar="L",
                    help="end the SFT phase early once the mean SFT loss of its last 5 updates is at or under L")
     p.add_argument("--rl-updates", type=int, default=80, help="GRPO updates after the SFT phase")

@@ -19,6 +19,7 @@ from schemas.errors import ValidationError
 from schemas.models import PAD_ID
 from schemas.packing import unpack_floats, unpack_ids
 from schemas.records import Trajectory, TrajectoryTurn
+from schemas.tasks import TaskSpecError, decode_task_spec
 
 NO_VERSION = -1  # policy version of positions the policy did not generate
 
@@ -43,6 +44,7 @@ class Batch:
     versions: Tensor        # (B, T-1) long, policy version of generated targets, NO_VERSION elsewhere
     rewards: Tensor         # (B,) float
     truncated: int          # sequences cut at max_len
+    sources: tuple[str, ...] = ()  # (B,) the task source of each row (task_source)
 
     def to(self, device: torch.device) -> "Batch":
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -52,6 +54,14 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
+
+
+def task_source(t: Trajectory) -> str:
+    """The source a trajectory's task was drawn from (its spec's `source`, e.g. builtin:reverse-6), else its domain."""
+    try:
+        return str(decode_task_spec(t.task_spec, t.domain).get("source") or t.domain)
+    except TaskSpecError:
+        return t.domain
 
 
 def turn_tensors(turn: TrajectoryTurn) -> tuple[list[int], list[int], list[float]]:
@@ -111,4 +121,5 @@ def collate(items: Sequence[tuple[Trajectory, float]], max_len: int) -> Batch:
         versions=versions,
         rewards=torch.tensor([traj.reward for traj, _ in items]),
         truncated=sum(was_cut for _, was_cut in cuts),
+        sources=tuple(task_source(traj) for traj, _ in items),
     )

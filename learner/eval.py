@@ -28,11 +28,11 @@ from infra.kafka import end_offsets, read_topic
 from infra.objectstore import ObjectStore
 from infra.settings import Settings, add_ns_argument
 from learner import checkpoint_store
+from learner.batching import task_source
 from schemas.codec import codec
 from schemas.errors import CheckpointError, PipelineError
 from schemas.manifests import CheckpointManifest
 from schemas.records import Trajectory
-from schemas.tasks import TaskSpecError, decode_task_spec
 from schemas.topics import Topics
 
 Z95 = 1.959964
@@ -85,14 +85,6 @@ def any_attempt_ok(t: Trajectory) -> bool:
 
 def outcome_ok(t: Trajectory) -> bool:
     return max(t.reward_components.get("outcome/correct", 0.0), t.reward_components.get("outcome/tests_passed", 0.0)) >= 1.0
-
-
-def task_source(t: Trajectory) -> str:
-    """The source a trajectory's task was drawn from (its spec's `source`, e.g. builtin:reverse-6), else its domain."""
-    try:
-        return str(decode_task_spec(t.task_spec, t.domain).get("source") or t.domain)
-    except TaskSpecError:
-        return t.domain
 
 
 def summarise(version: int, mode: str, trajectories: list[Trajectory]) -> EvalResult:

@@ -39,7 +39,7 @@ from infra.faults import fault_point
 from learner.distributed import SAVE, START, STOP, TRAIN, World, join, pack, rank_device, unpack
 from learner.model import build_policy, frozen_reference
 from learner.settings import SFT_LOSS_WINDOW, SFT_MATCH_WINDOW, LearnerSettings, shaping_args
-from learner.update import GREEDY_MATCH, Lineage, TrainConfig, Trainer, select_trajectories
+from learner.update import GREEDY_MATCH, ROWS, Lineage, TrainConfig, Trainer, select_trajectories
 from schemas.codec import codec
 from schemas.manifests import LEARNER_FINISHED_LINE, CheckpointManifest
 from schemas.errors import CheckpointError, ConfigError, PipelineError
@@ -109,7 +109,7 @@ class PolicyHolder:
         # or not early), and the latest SFT losses and greedy matches it is judged on; all saved with every checkpoint
         self.sft_end: Optional[int] = None
         self.sft_losses: list[float] = []
-        self.sft_matches: list[float] = []
+        self.sft_matches: list[dict[str, list[float]]] = []  # per update: task source -> [written, sequences]
         self.reference: Any = None  # the KL / DPO anchor: checkpoint v{reference_version}, never the restored policy
         # Whose versions the data's turns count in: set from the store in resume() (a run started with --init)
         self.lineage = Lineage(run=settings.ns, replicates=settings.replica_of)
@@ -132,15 +132,18 @@ class PolicyHolder:
         if self.sft_end is not None or "loss/sft" not in metrics:
             return
         self.sft_losses = [*self.sft_losses, metrics["loss/sft"]][-SFT_LOSS_WINDOW:]
-        self.sft_matches = [*self.sft_matches, metrics.get(GREEDY_MATCH, 0.0)][-SFT_MATCH_WINDOW:]
-        loss, match = mean(self.sft_losses), mean(self.sft_matches)
+        self.sft_matches = [*self.sft_matches, source_matches(metrics)][-SFT_MATCH_WINDOW:]
+        loss = mean(self.sft_losses)
         why = ""
         if self.s.sft_until_loss is not None and len(self.sft_losses) == SFT_LOSS_WINDOW and loss <= self.s.sft_until_loss:
             why = f"mean loss of the last {SFT_LOSS_WINDOW} {loss:.4f} <= {self.s.sft_until_loss}"
-        if self.s.sft_until_match is not None and len(self.sft_matches) == SFT_MATCH_WINDOW \
-                and match >= self.s.sft_until_match:
-            why = (f"greedy decoding wrote {match:.3f} of the last {SFT_MATCH_WINDOW} updates' demonstrations before "
-                   f"training on them, >= {self.s.sft_until_match}")
+        weakest = weakest_source(self.sft_matches)
+        if self.s.sft_until_match is not None and len(self.sft_matches) == SFT_MATCH_WINDOW and weakest is not None \
+                and weakest[1] >= self.s.sft_until_match:
+            source, share, sources = weakest[0], weakest[1], len(pooled_matches(self.sft_matches))
+            of = f"{source}'s demonstrations" + (f" (the weakest of {sources} sources)" if sources > 1 else "")
+            why = (f"greedy decoding wrote {share:.3f} of {of} in the last {SFT_MATCH_WINDOW} updates before training on "
+                   f"them, >= {self.s.sft_until_match}")
         if why and self.updates < self.s.sft_updates:
             self.sft_end = self.updates
             if self.world.leader:
@@ -174,7 +177,8 @@ class PolicyHolder:
         end = state.trainer.get("sft_end")
         self.sft_end = None if end is None else int(end)
         self.sft_losses = [float(x) for x in state.trainer.get("sft_losses", [])]
-        self.sft_matches = [float(x) for x in state.trainer.get("sft_matches", [])]
+        self.sft_matches = [{str(k): [float(x) for x in v] for k, v in update.items()}
+                            for update in state.trainer.get("sft_matches", [])]
         self.model = model_from_config(state.model_config).to(self.device)
         self.version = loaded.manifest.version
         self.trainer = self.make_trainer(self.phase_algorithm(self.updates))
@@ -553,6 +557,9 @@ class LearnerService(PolicyHolder):
             return
         share = self.timing["wait_s"] / max(1e-9, self.timing["wait_s"] + self.timing["compute_s"])
         match = f" greedy match {metrics[GREEDY_MATCH]:.2f}" if GREEDY_MATCH in metrics else ""
+        weakest = weakest_source([source_matches(metrics)])
+        if weakest is not None and len(source_matches(metrics)) > 1:
+            match += f" (weakest {weakest[0]} {weakest[1]:.2f})"
         print(f"update {self.updates}{total} [{self.trainer.config.algorithm}] v{self.version} "
               f"loss {metrics.get('loss/total', float('nan')):.4f} reward {metrics.get('rollout/reward_mean', 0):.3f} "
               f"clip {metrics.get('stats/clip_frac', 0):.3f} grad {metrics.get('stats/grad_norm', 0):.2f} "
@@ -611,6 +618,28 @@ class LearnerService(PolicyHolder):
     def report(self) -> dict[str, Any]:
         return {"version": self.version, "updates": self.updates, **{k: round(v, 2) for k, v in self.timing.items()},
                 "published_mb": round(self.published_bytes / 1e6, 1), "reader": self.reader.metrics()}
+
+
+def source_matches(metrics: dict[str, float]) -> dict[str, list[float]]:
+    """An SFT update's greedy match per task source: source -> [sequences greedy decoding wrote, sequences]."""
+    rows = {k[len(ROWS) + 1:]: n for k, n in metrics.items() if k.startswith(ROWS + "/")}
+    return {source: [metrics.get(f"{GREEDY_MATCH}/{source}", 0.0) * n, n] for source, n in rows.items()}
+
+
+def pooled_matches(window: list[dict[str, list[float]]]) -> dict[str, float]:
+    """Each source's share of written demonstrations over the updates of `window`."""
+    totals: dict[str, list[float]] = {}
+    for update in window:
+        for source, (written, n) in update.items():
+            total = totals.setdefault(source, [0.0, 0.0])
+            total[0], total[1] = total[0] + written, total[1] + n
+    return {source: written / n for source, (written, n) in sorted(totals.items()) if n}
+
+
+def weakest_source(window: list[dict[str, list[float]]]) -> Optional[tuple[str, float]]:
+    """The source greedy decoding wrote the smallest share of over `window`, with that share (None: no sequences)."""
+    pooled = pooled_matches(window)
+    return min(pooled.items(), key=lambda item: item[1]) if pooled else None
 
 
 def replay_line(replaying: list[CheckpointManifest]) -> str:

@@ -19,7 +19,7 @@ from schemas.topics import Topics
 # batches (a few dozen tokens a row) are split into a handful of parts at most.
 DEFAULT_MICRO_BATCH_TOKENS = 8192
 SFT_LOSS_WINDOW = 5  # --sft-until-loss compares the mean SFT loss of this many latest updates
-SFT_MATCH_WINDOW = 5  # --sft-until-match: the mean greedy match of this many latest SFT updates (5 x 32 rows)
+SFT_MATCH_WINDOW = 5  # --sft-until-match: each task source's greedy match over this many latest SFT updates
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,9 @@ class LearnerSettings:
     # End the SFT phase early once the mean SFT loss of the last SFT_LOSS_WINDOW updates is at or under this
     # (None: always sft_updates); sft_updates stays the most it takes
     sft_until_loss: float | None = None
-    # ... or once greedy decoding wrote this share of the last SFT_MATCH_WINDOW updates' demonstrations token for
-    # token before training on them (an estimate of greedy success on unseen tasks; None: not judged)
+    # ... or once greedy decoding wrote this share of every task source's demonstrations of the last SFT_MATCH_WINDOW
+    # updates token for token before training on them (an estimate of greedy success on unseen tasks, per source;
+    # None: not judged)
     sft_until_match: float | None = None
     lr: float = 1e-4
     sft_lr: float | None = None  # learning rate of the SFT warm start (None: lr)
@@ -159,9 +160,10 @@ def parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
                    help=f"end the SFT phase early once the mean SFT loss of its last {SFT_LOSS_WINDOW} updates is at or "
                         "under L (--sft-updates stays the most it takes)")
     p.add_argument("--sft-until-match", type=float, default=None, metavar="F",
-                   help=f"end the SFT phase early once greedy decoding wrote a share F of the demonstrations of its last "
-                        f"{SFT_MATCH_WINDOW} updates token for token before training on them: greedy success on tasks "
-                        "it has not seen, for exact-match tasks (--sft-updates stays the most it takes)")
+                   help=f"end the SFT phase early once greedy decoding wrote a share F of every task source's "
+                        f"demonstrations of its last {SFT_MATCH_WINDOW} updates token for token before training on them: "
+                        "greedy success on tasks it has not seen, for exact-match tasks, judged on the weakest source "
+                        "(--sft-updates stays the most it takes)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--sft-lr", type=float, default=None, help="learning rate of the SFT warm start (default: --lr)")
     p.add_argument("--warmup-updates", type=int, default=0, metavar="N",

@@ -153,7 +153,9 @@ class Synchronous:
 def pipeline(args: argparse.Namespace) -> list[dict[str, float]]:
     ns = f"bench-learning-{'rl-' if args.init else ''}{time.strftime('%H%M%S')}"
     init = ["--init", args.init, "--init-moments"] if args.init else []
-    cmd = [sys.executable, "-m", "infra", "demo", "--ns", ns, *init, "--sft-updates", str(args.sft_updates), "--rl-updates",
+    # the synchronous loop's task source and fixed SFT length (the demo's default ends it by its greedy match)
+    cmd = [sys.executable, "-m", "infra", "demo", "--ns", ns, *init, "--sources", "reverse", "--sft-updates",
+           str(args.sft_updates), "--sft-until-match", "0", "--rl-updates",
            str(args.rl_updates), "--sft-lr", str(args.sft_lr), "--lr", str(args.lr), "--warmup-updates",
            str(args.warmup_updates), "--rl-batches-per-update", str(args.rl_batches_per_update),
            "--updates-per-checkpoint", str(args.updates_per_checkpoint), "--sft-updates-per-checkpoint",

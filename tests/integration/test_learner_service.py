@@ -803,7 +803,8 @@ def test_the_sft_phase_ends_once_greedy_decoding_writes_the_demonstrations_and_r
     proc = run_learner(stack, topics.ns, tmp_path, None, "--algorithm", "grpo", "--sft-updates", "50",
                        "--sft-until-match", "0.9", "--rl-updates", "3", "--lr", "1e-2", "--max-policy-lag", "100")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ended = re.search(r"SFT phase ends after (\d+) of at most 50 updates: greedy decoding wrote ([0-9.]+)", proc.stderr)
+    ended = re.search(r"SFT phase ends after (\d+) of at most 50 updates: greedy decoding wrote ([0-9.]+) of math's "
+                      r"demonstrations in the last 5 updates", proc.stderr)
     assert ended, proc.stderr[-3000:]
     end, match = int(ended[1]), float(ended[2])
     assert 5 <= end < 50 and match >= 0.9

@@ -344,7 +344,8 @@ def test_sft_drives_the_loss_down() -> None:
 
 def test_an_sft_update_counts_the_demonstrations_greedy_decoding_already_writes_before_it_trains() -> None:
     """sft/greedy_match: the share of an SFT update's sequences the policy, before the update, decodes greedily token
-    for token (what `generate` writes without sampling), over micro-batches and with sequences of other lengths."""
+    for token (what `generate` writes without sampling), over micro-batches and with sequences of other lengths; in
+    all and per task source (here the domain: these specs name none)."""
     model = tiny_model(seed=3)
     prompts = [byte_ids(p) for p in ("ab:", "cde:", "f:", "ghij:")]
     demos = []
@@ -354,11 +355,14 @@ def test_an_sft_update_counts_the_demonstrations_greedy_decoding_already_writes_
         greedy = out[0, len(prompt):].tolist()
         if i % 2:  # every other one differs from greedy decoding in its last token only
             greedy[-1] = DIGITS[0] if greedy[-1] != DIGITS[0] else DIGITS[1]
-        demos.append(make_trajectory(prompt, [([], greedy, [0.0] * len(greedy), DEMONSTRATION_VERSION)], reward=1.0))
+        demo = make_trajectory(prompt, [([], greedy, [0.0] * len(greedy), DEMONSTRATION_VERSION)], reward=1.0)
+        demos.append(dataclasses.replace(demo, domain="short" if i == 0 else "long"))
     trainer = Trainer(model, TrainConfig(algorithm="sft", lr=1e-3, micro_batch_tokens=20))
     metrics = trainer.step(demos, current_version=0)
     assert metrics["batch/sequences"] == 4 and metrics["sft/greedy_match"] == 0.5
-    assert "sft/greedy_reproduced" not in metrics
+    assert metrics["sft/greedy_match/short"] == 1.0 and metrics["sft/greedy_match/long"] == pytest.approx(1 / 3)
+    assert (metrics["sft/greedy_rows/short"], metrics["sft/greedy_rows/long"]) == (1.0, 3.0)
+    assert not [k for k in metrics if k.startswith("sft/greedy_reproduced")]
     grpo = Trainer(tiny_model(), TrainConfig(algorithm="grpo", lr=1e-3)).step(_batch_for(tiny_model()), 0)
     assert "sft/greedy_match" not in grpo  # a figure of imitation only
 

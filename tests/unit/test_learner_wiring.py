@@ -137,3 +137,14 @@ def test_an_sft_phase_ended_by_its_greedy_match_and_an_rl_phase_counted_from_it_
         from_args(["--ns", "wired", *argv], env={})
     assert from_args(["--ns", "wired", "--sft-updates", "10", "--sft-until-match", "1", "--rl-updates", "0"],
                      env={}).rl_updates == 0
+
+
+def test_the_sft_phase_is_judged_on_its_weakest_source_pooled_over_the_window() -> None:
+    from learner.service import pooled_matches, source_matches, weakest_source
+
+    updates = [source_matches({"sft/greedy_match/reverse-3": 1.0, "sft/greedy_rows/reverse-3": 16.0,
+                               "sft/greedy_match/reverse-6": share, "sft/greedy_rows/reverse-6": rows})
+               for share, rows in ((0.0, 10.0), (0.5, 30.0))]
+    assert pooled_matches(updates) == {"reverse-3": 1.0, "reverse-6": 15 / 40}  # by sequence, not a mean of shares
+    assert weakest_source(updates) == ("reverse-6", 15 / 40)
+    assert weakest_source([]) is None and weakest_source([source_matches({"loss/sft": 1.0})]) is None
