@@ -3,7 +3,9 @@
     plot_learning_curve(points, sft_version=5, path=Path("runs/demo/learning_curve.png"))
 
 points: dicts from `python -m learner.eval --json` (version, mode, success, ci_low, ci_high) plus "seconds",
-the wall time since v0 was announced when that version was.
+the wall time since v0 was announced when that version was. Where the greedy points drew from several task
+sources (their "by_source": source -> [successes, episodes]), a third panel shows each source's greedy success
+vs version: which one holds the total back.
 """
 from __future__ import annotations
 
@@ -17,7 +19,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def plot_learning_curve(points: Sequence[dict[str, Any]], sft_version: int, path: Path) -> Path:
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    greedy = sorted((p for p in points if p["mode"] == "greedy"), key=lambda p: p["version"])
+    sources = sorted({s for p in greedy for s in p.get("by_source") or {}})
+    panels = 3 if len(sources) > 1 else 2
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), sharey=True)
     for ax, x_key, label in ((axes[0], "version", "policy version"), (axes[1], "seconds", "wall time (s)")):
         for mode, marker in (("greedy", "o"), ("sampled", "s")):
             rows = sorted((p for p in points if p["mode"] == mode), key=lambda p: p["version"])
@@ -33,6 +38,19 @@ def plot_learning_curve(points: Sequence[dict[str, Any]], sft_version: int, path
             ax.axvline(boundary[0], color="tab:orange", linestyle="--")
         ax.set(xlabel=label, title=f"held-out success vs {label}", ylim=(-0.02, 1.02))
         ax.grid(alpha=0.3)
+    if panels == 3:
+        ax = axes[2]
+        for source in sources:
+            rows = [p for p in greedy if source in (p.get("by_source") or {})]
+            ax.plot([p["version"] for p in rows], [wins / max(n, 1) for wins, n in (p["by_source"][source] for p in rows)],
+                    marker=".", label=source.removeprefix("builtin:"))
+        boundary = [p["version"] for p in greedy if p["version"] == sft_version]
+        if boundary:
+            ax.axvspan(greedy[0]["version"], boundary[0], color="tab:orange", alpha=0.12)
+            ax.axvline(boundary[0], color="tab:orange", linestyle="--")
+        ax.set(xlabel="policy version", title="greedy held-out success per task source", ylim=(-0.02, 1.02))
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize="small")
     axes[0].set_ylabel("held-out success")
     axes[0].legend(loc="lower right")
     fig.tight_layout()

@@ -6,6 +6,7 @@ import math
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -198,3 +199,21 @@ def test_a_demo_asked_for_a_bf16_broadcast_hands_it_to_the_learner_and_not_by_de
     for argv, wanted in ((["--broadcast-bf16"], True), ([], False)):
         learner = next(s for s in plan(apply_preset(parser().parse_args(argv), argv), "ns") if s.name == "learner")
         assert learner_parser({}).parse_args(learner.argv[1:]).broadcast_bf16 is wanted
+
+
+def test_the_learning_curve_adds_a_panel_per_task_source_where_the_evaluation_drew_from_several(tmp_path: Path) -> None:
+    from PIL import Image
+
+    from infra.curves import plot_learning_curve
+
+    def point(version: int, mode: str, by_source: dict[str, list[int]]) -> dict[str, object]:
+        wins, n = sum(w for w, _ in by_source.values()), sum(n for _, n in by_source.values())
+        low, high = wilson(wins, n)
+        return {"version": version, "mode": mode, "success": wins / n, "ci_low": low, "ci_high": high,
+                "seconds": 10.0 * version, "by_source": by_source}
+
+    lengths = [point(v, "greedy", {"builtin:reverse-3": [v * 10, 64], "builtin:reverse-6": [v, 64]}) for v in (0, 3, 6)]
+    one = [point(v, "greedy", {"builtin:reverse": [v * 10, 64]}) for v in (0, 3, 6)]
+    widths = [Image.open(plot_learning_curve(points, 3, tmp_path / f"{i}.png")).size[0]
+              for i, points in enumerate((lengths, one))]
+    assert widths[0] == widths[1] * 3 // 2  # three panels against two: the same width each
