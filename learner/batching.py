@@ -44,7 +44,7 @@ class Batch:
     versions: Tensor        # (B, T-1) long, policy version of generated targets, NO_VERSION elsewhere
     rewards: Tensor         # (B,) float
     truncated: int          # sequences cut at max_len
-    sources: tuple[str, ...] = ()  # (B,) the task source of each row (task_source)
+    sources: tuple[str, ...] = ()  # (B,) the task source of each row (task_source), where collate was asked
 
     def to(self, device: torch.device) -> "Batch":
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -100,7 +100,7 @@ def _pad(rows: Sequence[list[int] | list[float]], width: int, value: float, dtyp
     return out
 
 
-def collate(items: Sequence[tuple[Trajectory, float]], max_len: int) -> Batch:
+def collate(items: Sequence[tuple[Trajectory, float]], max_len: int, sources: bool = False) -> Batch:
     """(trajectory, weight) pairs to one right-padded batch; the weight scales the advantage (staleness)."""
     cuts = [truncate(flatten(traj), max_len) for traj, _ in items]
     rows = [row for row, _ in cuts]
@@ -121,5 +121,5 @@ def collate(items: Sequence[tuple[Trajectory, float]], max_len: int) -> Batch:
         versions=versions,
         rewards=torch.tensor([traj.reward for traj, _ in items]),
         truncated=sum(was_cut for _, was_cut in cuts),
-        sources=tuple(task_source(traj) for traj, _ in items),
+        sources=tuple(task_source(traj) for traj, _ in items) if sources else (),
     )

@@ -25,16 +25,20 @@ def gather_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
 
 def token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0) -> Tensor:
     """Log-prob of each next token under softmax(logits / T), the convention the rollout workers record."""
-    return token_logprobs_and_greedy(model, input_ids, attention_mask, temperature)[0]
+    return gather_logprobs(next_token_logits(model, input_ids, attention_mask, temperature), input_ids[:, 1:])
 
 
 def token_logprobs_and_greedy(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
                               temperature: float = 1.0) -> tuple[Tensor, Tensor]:
     """token_logprobs, and whether each next token is the one greedy decoding picks there (its argmax)."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    logits = out.logits[:, :-1].float() / temperature                        # (B, T-1, V), fp32 under autocast
+    logits = next_token_logits(model, input_ids, attention_mask, temperature)
     targets = input_ids[:, 1:]                                               # (B, T-1)
     return gather_logprobs(logits, targets), logits.argmax(-1) == targets    # (B, T-1) each
+
+
+def next_token_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float) -> Tensor:
+    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return out.logits[:, :-1].float() / temperature                          # (B, T-1, V), fp32 under autocast
 
 
 def greedy_reproduced(greedy: Tensor, mask: Tensor) -> Tensor:

@@ -137,11 +137,12 @@ class PolicyHolder:
         why = ""
         if self.s.sft_until_loss is not None and len(self.sft_losses) == SFT_LOSS_WINDOW and loss <= self.s.sft_until_loss:
             why = f"mean loss of the last {SFT_LOSS_WINDOW} {loss:.4f} <= {self.s.sft_until_loss}"
-        weakest = weakest_source(self.sft_matches)
+        pooled = pooled_matches(self.sft_matches)
+        weakest = weakest_source(pooled)
         if self.s.sft_until_match is not None and len(self.sft_matches) == SFT_MATCH_WINDOW and weakest is not None \
                 and weakest[1] >= self.s.sft_until_match:
-            source, share, sources = weakest[0], weakest[1], len(pooled_matches(self.sft_matches))
-            of = f"{source}'s demonstrations" + (f" (the weakest of {sources} sources)" if sources > 1 else "")
+            source, share = weakest
+            of = f"{source}'s demonstrations" + (f" (the weakest of {len(pooled)} sources)" if len(pooled) > 1 else "")
             why = (f"greedy decoding wrote {share:.3f} of {of} in the last {SFT_MATCH_WINDOW} updates before training on "
                    f"them, >= {self.s.sft_until_match}")
         if why and self.updates < self.s.sft_updates:
@@ -557,8 +558,9 @@ class LearnerService(PolicyHolder):
             return
         share = self.timing["wait_s"] / max(1e-9, self.timing["wait_s"] + self.timing["compute_s"])
         match = f" greedy match {metrics[GREEDY_MATCH]:.2f}" if GREEDY_MATCH in metrics else ""
-        weakest = weakest_source([source_matches(metrics)])
-        if weakest is not None and len(source_matches(metrics)) > 1:
+        pooled = pooled_matches([source_matches(metrics)])
+        weakest = weakest_source(pooled)
+        if weakest is not None and len(pooled) > 1:
             match += f" (weakest {weakest[0]} {weakest[1]:.2f})"
         print(f"update {self.updates}{total} [{self.trainer.config.algorithm}] v{self.version} "
               f"loss {metrics.get('loss/total', float('nan')):.4f} reward {metrics.get('rollout/reward_mean', 0):.3f} "
@@ -636,9 +638,8 @@ def pooled_matches(window: list[dict[str, list[float]]]) -> dict[str, float]:
     return {source: written / n for source, (written, n) in sorted(totals.items()) if n}
 
 
-def weakest_source(window: list[dict[str, list[float]]]) -> Optional[tuple[str, float]]:
-    """The source greedy decoding wrote the smallest share of over `window`, with that share (None: no sequences)."""
-    pooled = pooled_matches(window)
+def weakest_source(pooled: dict[str, float]) -> Optional[tuple[str, float]]:
+    """The source of `pooled_matches` greedy decoding wrote the smallest share of, with that share (None: none)."""
     return min(pooled.items(), key=lambda item: item[1]) if pooled else None
 
 

@@ -353,7 +353,8 @@ class Trainer:
             mine = self.world.shard(kept)
             parts = [part for chunk in split(mine, self.config.grad_accum)
                      for part in by_tokens(chunk, self.config.micro_batch_tokens, self.config.max_len)]
-            return [collate(part, self.config.max_len) for part in parts], {}
+            sources = self.config.algorithm == "sft"  # what the greedy match is counted by
+            return [collate(part, self.config.max_len, sources) for part in parts], {}
         pairs, skipped = preference_pairs(trajectory for trajectory, _ in kept)
         chunks = split(self.world.shard(pairs), self.config.grad_accum)
         counts = {"pairs/built": float(len(pairs)), "pairs/skipped_groups": float(skipped)}
@@ -416,13 +417,15 @@ class Trainer:
 
     def loss(self, batch: Batch) -> tuple[Tensor, dict[str, float]]:
         """The loss of one micro-batch (already on the device) and its metrics."""
-        with autocast_context(self.device, self.config.cpu_bf16):
-            logprobs, greedy = token_logprobs_and_greedy(self.model, batch.input_ids, batch.attention_mask,
-                                                         self.config.temperature)
-            ref_logprobs = self.reference_logprobs(batch)                                     # (B, T-1) | None
-        if self.config.algorithm == "sft":
+        if self.config.algorithm == "sft":  # the greedy match comes from the same forward pass
+            with autocast_context(self.device, self.config.cpu_bf16):
+                logprobs, greedy = token_logprobs_and_greedy(self.model, batch.input_ids, batch.attention_mask,
+                                                             self.config.temperature)
             loss, parts = sft_loss(logprobs, batch.loss_mask)
             return loss, {**parts, **reproduced_counts(greedy_reproduced(greedy, batch.loss_mask), batch.sources)}
+        with autocast_context(self.device, self.config.cpu_bf16):
+            logprobs = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.config.temperature)
+            ref_logprobs = self.reference_logprobs(batch)                                     # (B, T-1) | None
         if self.config.algorithm == "dpo":
             assert ref_logprobs is not None, "dpo always has a reference"
             return self.dpo(logprobs, ref_logprobs, batch.loss_mask)

@@ -146,5 +146,6 @@ def test_the_sft_phase_is_judged_on_its_weakest_source_pooled_over_the_window() 
                                "sft/greedy_match/reverse-6": share, "sft/greedy_rows/reverse-6": rows})
                for share, rows in ((0.0, 10.0), (0.5, 30.0))]
     assert pooled_matches(updates) == {"reverse-3": 1.0, "reverse-6": 15 / 40}  # by sequence, not a mean of shares
-    assert weakest_source(updates) == ("reverse-6", 15 / 40)
-    assert weakest_source([]) is None and weakest_source([source_matches({"loss/sft": 1.0})]) is None
+    assert weakest_source(pooled_matches(updates)) == ("reverse-6", 15 / 40)
+    assert weakest_source(pooled_matches([])) is None
+    assert weakest_source(pooled_matches([source_matches({"loss/sft": 1.0})])) is None
