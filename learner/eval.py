@@ -137,9 +137,10 @@ class Evaluation:
         self.store = ObjectStore(settings)
         self.env = {**os.environ, **settings.as_env()}
 
-    def spawn(self, module: str, *argv: str) -> subprocess.Popen[bytes]:
+    def spawn(self, module: str, *argv: str, threads: Optional[int] = None) -> subprocess.Popen[bytes]:
         log = open(os.devnull, "wb") if not self.args.verbose else None
-        return subprocess.Popen([sys.executable, "-m", module, *argv], env=self.env, stdout=log, stderr=log)
+        env = self.env if threads is None else {**self.env, "OMP_NUM_THREADS": str(threads)}
+        return subprocess.Popen([sys.executable, "-m", module, *argv], env=env, stdout=log, stderr=log)
 
     def worker(self, ns: str, version: int, mode: str) -> list[str]:
         a = self.args
@@ -155,17 +156,26 @@ class Evaluation:
         ns = f"{self.args.ns}-eval-{uuid.uuid4().hex[:6]}"
         bootstrap(self.settings, ns)
         streams = self.spawn("streams", "--ns", ns)
+        jobs = [(version, mode) for version in versions for mode in self.args.modes.split(",")]
+        at_once = min(self.args.parallel, len(jobs)) or 1
+        threads = max(1, len(os.sched_getaffinity(0)) // at_once) if at_once > 1 else None
         try:
-            expected = 0
-            for version in versions:
-                for mode in self.args.modes.split(","):
-                    started = time.monotonic()
-                    if self.finish(self.spawn("producers", *self.worker(ns, version, mode)), version, mode) != 0:
-                        raise PipelineError(f"the evaluation worker for v{version} ({mode}) failed")
-                    expected += self.args.episodes
-                    print(f"v{version} {mode}: {self.args.episodes} held-out episodes in "
-                          f"{time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
-            self.wait_for(Topics(ns).trajectories, expected)
+            for first in range(0, len(jobs), at_once):
+                started = time.monotonic()
+                running = [(v, m, self.spawn("producers", *self.worker(ns, v, m), threads=threads))
+                           for v, m in jobs[first:first + at_once]]
+                try:
+                    for version, mode, worker in running:
+                        if self.finish(worker, version, mode) != 0:
+                            raise PipelineError(f"the evaluation worker for v{version} ({mode}) failed")
+                        print(f"v{version} {mode}: {self.args.episodes} held-out episodes in "
+                              f"{time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
+                finally:
+                    for _, _, worker in running:  # a failed one's partners are not left generating
+                        if worker.poll() is None:
+                            worker.kill()
+                            worker.wait()
+            self.wait_for(Topics(ns).trajectories, len(jobs) * self.args.episodes)
             trajectories = [codec.decode(m.value() or b"", expect=Trajectory)
                             for m in read_topic(self.settings, Topics(ns).trajectories)]
         finally:
@@ -217,6 +227,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0, help="of sampled mode: the training temperature")
     p.add_argument("--seed", type=int, default=EVAL_SEED, help="which held-out tasks are drawn (both modes draw the same)")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--parallel", type=int, default=2,
+                   help="evaluation workers generating at once, the cores shared among them (1: one after another)")
     p.add_argument("--keep", action="store_true", help="keep the evaluation namespace's topics (default: deleted)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--verbose", action="store_true")
@@ -227,6 +239,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser().parse_args(argv)
     if not args.ns:
         print("error: --ns is required (or set TRAJPIPE_NS)", file=sys.stderr)
+        return 2
+    if args.parallel < 1:
+        print(f"error: --parallel must be at least 1, got {args.parallel}", file=sys.stderr)
         return 2
     try:
         settings = Settings.from_env()

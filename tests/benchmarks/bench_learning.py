@@ -321,6 +321,13 @@ def rl_phase(args: argparse.Namespace, started: float) -> None:
            f"{args.init} --init-moments --sft-updates 0`", figures, started, command="bench_learning.py --init RUN:vK")
 
 
+def length_args(args: argparse.Namespace, n: int) -> argparse.Namespace:
+    """The run's arguments with an SFT phase of `n` updates, warmed up over --warmup-updates if given, else over
+    a tenth of `n` (as the demo)."""
+    warmup = n // 10 if args.warmup_updates is None else args.warmup_updates
+    return argparse.Namespace(**{**vars(args), "sft_updates": n, "warmup_updates": warmup})
+
+
 def sft_lengths(args: argparse.Namespace, started: float) -> None:
     """The SFT phase's length, in process: for each data order (seed 1..--seeds) and each length, the whole
     synchronous run (SFT with the demo's warmup, a tenth of it, then the RL phase); the same seed draws the same
@@ -329,8 +336,7 @@ def sft_lengths(args: argparse.Namespace, started: float) -> None:
     runs: dict[int, list[tuple[float, float]]] = {n: [] for n in args.sft_lengths}
     for seed in range(1, args.seeds + 1):
         for n in args.sft_lengths:
-            run_args = argparse.Namespace(**{**vars(args), "sft_updates": n, "warmup_updates": n // 10})
-            loop = Synchronous(run_args, seed=seed)
+            loop = Synchronous(length_args(args, n), seed=seed)
             curve = loop.run()
             post, final = curve[loop.post_sft]["success"], curve[-1]["success"]
             runs[n].append((post, final))
@@ -372,7 +378,8 @@ def main() -> None:
     p.add_argument("--sft-lr", type=float, default=1e-3)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--eval-episodes", type=int, default=256)
-    p.add_argument("--warmup-updates", type=int, default=None, help="default: a tenth of --sft-updates, as the demo")
+    p.add_argument("--warmup-updates", type=int, default=None,
+                   help="default: a tenth of --sft-updates (with --sft-lengths, of each length), as the demo")
     p.add_argument("--init", default=None, metavar="RUN:vK",
                    help="the RL phase only, both sides from that checkpoint's weights and Adam moments (a post-SFT "
                         "version, e.g. a demo's v5)")
@@ -385,12 +392,12 @@ def main() -> None:
     started = time.monotonic()
     if args.init:
         args.sft_updates = 0
+    if args.sft_lengths and not args.init:
+        return sft_lengths(args, started)
     if args.warmup_updates is None:
         args.warmup_updates = args.sft_updates // 10
     if args.init:
         return rl_phase(args, started)
-    if args.sft_lengths:
-        return sft_lengths(args, started)
     sync = Synchronous(args).run()
     pipe = pipeline(args)
     plot(sync, pipe, Path("runs/bench/learning.png"))

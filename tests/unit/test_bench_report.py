@@ -59,3 +59,17 @@ def test_every_benchmark_records_its_figures_for_the_report(bench: Path) -> None
     names = [c.args[0].value if isinstance(c.args[0], ast.Constant) else None for c in calls]
     # Each names its script; a second mode of the script (bench_learning --init) adds a suffix.
     assert bench.stem in names and all(isinstance(n, str) and n.startswith(bench.stem) for n in names), names
+
+
+def test_each_sft_length_of_bench_learning_warms_up_as_told_else_over_a_tenth_of_it() -> None:
+    import argparse
+
+    from tests.benchmarks.bench_learning import length_args
+
+    base = dict(sft_updates=100, rl_updates=80, sft_lengths=[100, 140])
+    told = argparse.Namespace(**base, warmup_updates=7)
+    assert [(a.sft_updates, a.warmup_updates) for a in (length_args(told, n) for n in (100, 140))] == [(100, 7), (140, 7)]
+    untold = argparse.Namespace(**base, warmup_updates=None)
+    assert [(a.sft_updates, a.warmup_updates) for a in (length_args(untold, n) for n in (100, 140))] == \
+        [(100, 10), (140, 14)]
+    assert told.sft_updates == 100 and told.warmup_updates == 7  # the caller's arguments are left as they were

@@ -78,7 +78,7 @@ def test_an_sft_phase_ended_early_by_its_loss_target_is_judged_from_the_version_
 
 
 def test_the_demo_ends_its_sft_phase_by_the_greedy_match_and_counts_the_rl_phase_from_there() -> None:
-    from infra.demo import SFT_MOST, SFT_UNTIL_MATCH, SFT_UPDATES
+    from infra.demo import RL_UPDATES, SFT_MOST, SFT_UNTIL_MATCH, SFT_UPDATES
 
     def learner_flags(argv: list[str]) -> dict[str, str]:
         learner = next(s for s in plan(parser().parse_args(argv), "ns") if s.name == "learner").argv
@@ -86,7 +86,7 @@ def test_the_demo_ends_its_sft_phase_by_the_greedy_match_and_counts_the_rl_phase
 
     flags = learner_flags([])
     assert flags["--sft-updates"] == str(SFT_MOST) and flags["--sft-until-match"] == str(SFT_UNTIL_MATCH)
-    assert flags["--rl-updates"] == "80" and "--max-updates" not in flags  # 80 GRPO updates however early SFT ends
+    assert flags["--rl-updates"] == str(RL_UPDATES) and "--max-updates" not in flags  # however early SFT ends
     assert flags["--warmup-updates"] == str(SFT_UPDATES // 10)  # a tenth of where it was calibrated, not of the most
     demos = next(s for s in plan(parser().parse_args([]), "ns") if s.name == "demonstrations").argv
     assert demos[demos.index("--demonstrations") + 1] == str(SFT_MOST * 64)  # enough for the longest phase
@@ -217,3 +217,14 @@ def test_the_learning_curve_adds_a_panel_per_task_source_where_the_evaluation_dr
     widths = [Image.open(plot_learning_curve(points, 3, tmp_path / f"{i}.png")).size[0]
               for i, points in enumerate((lengths, one))]
     assert widths[0] == widths[1] * 3 // 2  # three panels against two: the same width each
+
+
+def test_a_demo_with_an_sft_phase_says_its_time_against_the_goal_and_a_pretrained_one_leaves_it_to_its_training() -> None:
+    from infra.demo import GOAL_MINUTES, time_goal
+
+    args = parser().parse_args([])
+    assert time_goal(11.44, args)[0].startswith(f"time: 11.4 min from the servers up to the held-out figures (goal "
+                                                f"{GOAL_MINUTES} min on 2 cores: met;")
+    assert "NOT met" in time_goal(GOAL_MINUTES + 0.1, args)[0]
+    pretrained = apply_preset(parser().parse_args(["--preset", "smollm2"]), ["--preset", "smollm2"])
+    assert time_goal(30.0, pretrained) == []  # judged by its minutes of training (goals)

@@ -69,3 +69,8 @@ def test_success_is_reported_per_task_source_when_an_evaluation_draws_from_sever
     assert one_source.by_source == {"builtin:reverse-3": [6, 6]} and "builtin" not in one_source.line()
     untyped = summarise(5, "greedy", [replace(episodes[0], task_spec="not json")])  # type: ignore[arg-type]
     assert untyped.by_source == {"text": [1, 1]}
+
+
+def test_evaluation_workers_at_once_must_be_at_least_one(capsys: pytest.CaptureFixture[str]) -> None:
+    assert evaluation.main(["--ns", "demo", "--parallel", "0"]) == 2
+    assert "--parallel must be at least 1, got 0" in capsys.readouterr().err
