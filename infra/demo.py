@@ -65,6 +65,10 @@ SFT_MOST = 160
 # that are all right and dropped, so each update waits for more rollouts): 80 updates took 15-19 minutes here in
 # all, 50 took 10.5.
 RL_UPDATES = 50
+# Rollout workers retire a word length once its latest 32 attempts all passed (5% of draws still probe it, so a
+# length forgotten comes back) and spend the rollouts on the lengths not yet learned; groups that are all right,
+# dropped upstream, no longer make the updates wait (`--curriculum 0`: every length by weight).
+CURRICULUM = 8
 # A pretrained model without an SFT phase: its held-out gain over v0, within this many minutes of training.
 GOAL_PRETRAINED_GAIN, GOAL_PRETRAINED_MINUTES = 0.10, 45
 
@@ -414,9 +418,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--init-moments", action="store_true",
                    help="with --init: carry that checkpoint's Adam moments too (an RL phase from a post-SFT version "
                         "as the demo runs it after its own SFT phase)")
-    p.add_argument("--curriculum", type=int, default=0,
-                   help="rollout workers skip tasks (after N attempts) and domains (after 4N) always or never solved; "
-                        "0: off")
+    p.add_argument("--curriculum", type=int, default=CURRICULUM,
+                   help="rollout workers skip tasks (after N attempts) and task sources (after 4N) always or never "
+                        "solved, but for a probing 5%% of draws; 0: off")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--sft-updates", type=int, default=SFT_MOST,
                    help="updates imitating demonstrations (the most, with --sft-until-match or --sft-until-loss)")
@@ -495,7 +499,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                 "group_size": 8, "prompts_per_step": 2, "batch_trajectories": 16, "quota_factor": 1.25,
                 "keep_last": 2, "keep_every": 10, "moments_every": 5, "partitions": 1, "quota_wait_s": 120.0,
                 "max_new_tokens": 32, "lr": 1e-5, "temperature": 1.0, "eval_episodes": 128, "curve_points": 3,
-                "minutes": 60.0},
+                "minutes": 60.0, "curriculum": 0},
 }
 
 

@@ -130,7 +130,10 @@ def test_the_demo_passes_its_curriculum_to_the_rollout_workers_only() -> None:
         assert worker.argv[worker.argv.index("--curriculum") + 1] == "4"
     demos = next(s for s in plan(args, "ns") if s.name == "demonstrations").argv
     assert "--curriculum" not in demos  # demonstrations are gold answers: nothing to retire
-    assert apply_preset(parser().parse_args([]), []).curriculum == 0
+    from infra.demo import CURRICULUM
+
+    assert apply_preset(parser().parse_args([]), []).curriculum == CURRICULUM > 0  # each word length retired once learned
+    assert apply_preset(parser().parse_args(["--preset", "smollm2"]), ["--preset", "smollm2"]).curriculum == 0
 
 
 def test_an_evaluation_worker_past_its_timeout_is_stopped_and_named() -> None:
