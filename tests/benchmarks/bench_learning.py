@@ -153,9 +153,10 @@ class Synchronous:
 def pipeline(args: argparse.Namespace) -> list[dict[str, float]]:
     ns = f"bench-learning-{'rl-' if args.init else ''}{time.strftime('%H%M%S')}"
     init = ["--init", args.init, "--init-moments"] if args.init else []
-    # the synchronous loop's task source and fixed SFT length (the demo's default ends it by its greedy match)
+    # the synchronous loop's task source, fixed SFT length (the demo's default ends it by its greedy match) and
+    # draws (the demo's default retires solved word lengths)
     cmd = [sys.executable, "-m", "infra", "demo", "--ns", ns, *init, "--sources", "reverse", "--sft-updates",
-           str(args.sft_updates), "--sft-until-match", "0", "--rl-updates",
+           str(args.sft_updates), "--sft-until-match", "0", "--curriculum", "0", "--rl-updates",
            str(args.rl_updates), "--sft-lr", str(args.sft_lr), "--lr", str(args.lr), "--warmup-updates",
            str(args.warmup_updates), "--rl-batches-per-update", str(args.rl_batches_per_update),
            "--updates-per-checkpoint", str(args.updates_per_checkpoint), "--sft-updates-per-checkpoint",
@@ -370,7 +371,7 @@ def sft_lengths(args: argparse.Namespace, started: float) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sft-updates", type=int, default=SFT_UPDATES, help="as the demo")
-    p.add_argument("--rl-updates", type=int, default=80, help="as the demo")
+    p.add_argument("--rl-updates", type=int, default=80, help="as the published comparison (the demo runs 50)")
     p.add_argument("--rl-batches-per-update", type=int, default=8, help=f"shards of {BATCH} per GRPO update, as the demo")
     p.add_argument("--sft-updates-per-checkpoint", type=int, default=20)
     p.add_argument("--updates-per-checkpoint", type=int, default=1)
