@@ -63,7 +63,7 @@ SFT_MOST = 160
 # GRPO updates after the SFT phase. Held-out greedy success had reached 0.96-0.99 38-40 updates after it in three
 # runs of that rule; the updates after that cost the most (a policy that solves nearly every task makes groups
 # that are all right and dropped, so each update waits for more rollouts): 80 updates took 15-19 minutes here in
-# all, 50 took 10.5.
+# all, 50 took 10.5 without the curriculum below and 8.9-11.0 with it (README: runs I-N).
 RL_UPDATES = 50
 # Rollout workers retire a word length once its latest 32 attempts all passed (5% of draws still probe it, so a
 # length forgotten comes back) and spend the rollouts on the lengths not yet learned; groups that are all right,
