@@ -564,14 +564,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         console.print(f"checkpoints: the files of {', '.join(f'v{v}' for v in kept)} kept, {freed / 1e9:.2f} GB of "
                       "the others' deleted (every manifest stays; --keep-all keeps every version)")
     problems = healthy(run, results, how, args)
+    goal_lines = goals(results, args) + time_goal(minutes, args)
     (run.dir / "health.json").write_text(json.dumps({"problems": problems, "minutes": round(minutes, 2),
-                                                     "goals": goals(results, args) + time_goal(minutes, args)},
-                                                    indent=2))
+                                                     "goals": goal_lines}, indent=2))
     for r in sorted(results, key=lambda r: (r["mode"], r["version"])):
         console.print(f"v{r['version']:<4} {r['phase']:>7} {r['mode']:>7}: held-out success {r['success']:.3f} "
                       f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}] of {r['episodes']}, reward {r['reward_mean']:.3f}, "
                       f"at {r['seconds']:.0f}s")
-    for line in goals(results, args) + time_goal(minutes, args):
+    for line in goal_lines:
         console.print(line)
     console.print(f"report: {run.dir}/ (learning_curve.png, eval.json, summary.md, logs/)")
     if args.down:
