@@ -87,6 +87,7 @@ def build_app(settings: StreamSettings, platform: Optional[Settings] = None, out
             raise ValueError("build_app needs a platform (Kafka) or an outbox")
         outbox = KafkaOutbox(platform)
     app.outbox = outbox
+    app.batch_topics = frozenset({topics.events, topics.trajectories})  # each read by one agent, in batches
     tables = _tables(app, topics)
     pipeline = Pipeline(settings, topics, tables, outbox, scorer or Scorer.load(settings.reward_fn, settings.reward_version),
                         claims=ClaimResolver(platform), metrics=streams_metrics(),

@@ -8,14 +8,16 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, AsyncIterator, Awaitable, Callable, Generic, Optional, TypeVar
 
 import faust
 from faust.transport.drivers import aiokafka as driver
-from faust.types import EventT, StreamT, TableT
+from faust.types import TP, EventT, StreamT, TableT
 
 from streams.outbox import Outbox
 
+log = logging.getLogger(__name__)
 V = TypeVar("V")
 SMALL_BATCH = 8  # a batch under 1/8 of the maximum waits for more events
 
@@ -29,14 +31,70 @@ def fetch_position(client: Any, tp: Any) -> Optional[int]:
 
 
 class BatchConsumer(driver.Consumer):
-    """Faust's aiokafka consumer without the per-message `wait_first`.
+    """Faust's aiokafka consumer without the per-message `wait_first`, and without the conductor for the topics
+    the agents read in batches.
 
     Measured on 2 cores, a Faust agent that does nothing moves ~5k events/s, `stream.take` included: the
     consumer wraps every message in `wait_first` (four asyncio tasks a message), and the stream iterates one
     event at a time. This hands each message to the conductor directly; `batches` then skips the stream.
+    A message of a topic in `StreamsApp.batch_topics` (raw bytes, read by one agent) skips the conductor too:
+    it goes into the agent's channel as the conductor would put it, without the conductor's lock, its
+    serializers (raw bytes stay bytes) and its check of Faust's producer buffer, which this worker never
+    fills (it writes through the outbox). In a py-spy profile of `bench_streams.py` that cut handing a record
+    to the agent from 12.7% of the worker's samples to about 5%.
     """
 
     seeks = 0  # perform_seek calls: a fetch that spans one returns records from before the seek
+    handed_over = 0  # records put into an agent's channel without the conductor
+    _event_type: Any = None  # the app's Event class (read once: each read of a setting costs)
+    _pressure: Optional[dict[Any, tuple[Callable[[], None], Callable[[], None]]]] = None
+
+    def _batch_channel(self, tp: Any) -> Any:
+        """The channel of the only agent reading `tp`, when its topic is read in batches; else None."""
+        if tp.topic not in self.app.batch_topics:  # type: ignore[attr-defined]
+            return None
+        channels = self.app.topics._tp_index.get(tp)  # type: ignore[attr-defined]
+        return next(iter(channels)) if channels is not None and len(channels) == 1 else None
+
+    async def _hand_over(self, channel: Any, message: Any) -> None:
+        """Put the message into the channel as Faust's conductor does: an Event holding one reference, acked
+        by the agent; while a rebalance suspends the flow, wait."""
+        flow = self.app.flow_control
+        if not flow.is_active():
+            await flow.acquire()
+        tp = message.tp
+        message.incref(1)
+        if self._event_type is None:
+            self._event_type = self.app.conf.Event
+        event = self._event_type(self.app, message.key, message.value, message.headers, message)
+        queue = channel.queue
+        if queue.full():
+            self.app.sensors.on_topic_buffer_full(tp)
+            await channel.put(event)
+        else:
+            high, drop = self._pressure_callbacks(tp)
+            queue.put_nowait_enhanced(event, on_pressure_high=high, on_pressure_drop=drop)
+        self.handed_over += 1
+
+    def _pressure_callbacks(self, tp: Any) -> tuple[Callable[[], None], Callable[[], None]]:
+        """The conductor's callbacks for a filling channel: stop fetching the partition, and fetch it again once
+        the agent drained it. The queue keeps the second in a set, so each partition's stay the same objects."""
+        if self._pressure is None:
+            self._pressure = {}
+        found = self._pressure.get(tp)
+        if found is None:
+            # Faust's own TP: the consumer's partition sets assert it, and the fetched records carry aiokafka's
+            tp = TP(tp.topic, tp.partition)
+
+            def high() -> None:
+                self.app.sensors.on_topic_buffer_full(tp)
+                self.on_buffer_full(tp)
+
+            def drop() -> None:
+                self.on_buffer_drop(tp)
+
+            found = self._pressure[tp] = (high, drop)
+        return found
 
     async def perform_seek(self) -> None:
         self.seeks += 1
@@ -98,6 +156,8 @@ class BatchConsumer(driver.Consumer):
                 if not records or self.should_stop:
                     continue
                 delivered = dict.fromkeys(records, 0)
+                for tp in records:  # the lag the monitor shows: each partition's end, once a fetch
+                    self.app.monitor.track_tp_end_offset(tp, self.highwater(tp))
                 paused: set[Any] = set()
                 n = 0
                 for tp, record in self.scheduler.iterate(records):
@@ -108,7 +168,6 @@ class BatchConsumer(driver.Consumer):
                     if tp not in self._get_active_partitions() and tp not in self._buffered_partitions:
                         paused.add(tp)  # paused since the fetch (recovery): its records come again
                         continue
-                    self.app.monitor.track_tp_end_offset(tp, self.highwater(tp))
                     if not await self._deliver(tp, self._to_message(tp, record), callback, epoch):
                         break
                     delivered[tp] += 1
@@ -141,7 +200,11 @@ class BatchConsumer(driver.Consumer):
             await self._add_gap(tp, read + 1, offset)  # compacted or transactional gaps stay committable
         if self._epoch() != epoch:
             return False
-        await callback(message)  # waits only while Faust's flow is suspended (a rebalance) or a buffer is full
+        channel = self._batch_channel(tp)
+        if channel is None:  # either waits only while Faust's flow is suspended (a rebalance) or a queue is full
+            await callback(message)
+        else:
+            await self._hand_over(channel, message)
         if self._epoch() != epoch:  # the seek set the read offset; this record's would be stale
             return False
         self._read_offset[tp] = offset
@@ -167,6 +230,7 @@ class StreamsApp(faust.App):
     """A Faust app with the batch transport and an `outbox` for every record the worker writes."""
 
     outbox: Optional[Outbox] = None
+    batch_topics: frozenset[str] = frozenset()  # topics of raw bytes, one agent each, read by `batches`
     failure: Optional[BaseException] = None  # set when a batch failed: the worker exits non-zero
     stop_worker: Optional[Callable[[], None]] = None  # how a failed batch stops the worker (set by __main__)
     on_stopping: Optional[Callable[[], Awaitable[None]]] = None  # e.g. publish the last metrics window
@@ -177,6 +241,9 @@ class StreamsApp(faust.App):
         await super().on_stop()  # commits after the producer (and so the outbox) is flushed
         if self.outbox is not None:
             await self.outbox.flush()
+        consumer = self._consumer  # only if one was made: `self.consumer` would make it now
+        if isinstance(consumer, BatchConsumer):
+            log.info("%d records handed to the agents without the conductor", consumer.handed_over)
 
     def _new_transport(self) -> Transport:
         return Transport(self.conf.broker_consumer, self)

@@ -181,6 +181,28 @@ def test_a_recorded_stream_gives_exactly_the_expected_outputs(stack: Settings, t
     assert sum(len(t.source_offsets) for t in trajectories) == metric_total(stack, topics, "streams/accepted")
 
 
+def test_a_small_buffer_pauses_and_resumes_the_partitions_and_the_outputs_stay_exact(
+        stack: Settings, topics: Topics, tmp_path: Path) -> None:
+    """Records of the agents' topics go into their channels without Faust's conductor (streams.runtime); with a
+    buffer of 8 events, each channel fills and drains over and over, pausing and resuming its partition's fetch.
+    Every record is handed over once: no restart, no record fetched twice, the outputs exactly as expected."""
+    stream = recorded_stream(run=topics.ns)
+    publish(stack, topics, stream.messages)
+    log = tmp_path / "worker.log"
+    worker = run_to_completion(stack, topics, stream, log,
+                               Worker(stack, topics.ns, log, "--batch-max", "4", "--buffer-maxsize", "8"))
+    time.sleep(2)
+    assert worker.stop() == 0
+    text = log.read_text()
+    assert "restarting" not in text and "Traceback" not in text, text[-3000:]
+    assert sorted(codec.decode(v).trajectory_id for v in by_id(stack, topics.scored).values()) == \
+        sorted(stream.expect_scored)
+    assert metric_total(stack, topics, "streams/events") == stream.events
+    handed = re.search(r"(\d+) records handed to the agents without the conductor", text)
+    assert handed, text[-3000:]
+    assert int(handed.group(1)) == stream.events + count(stack, topics.trajectories)
+
+
 @pytest.mark.slow
 def test_kill_9_mid_stream_loses_no_episode_and_recovers_the_half_sent_ones(stack: Settings, topics: Topics,
                                                                            tmp_path: Path) -> None:
