@@ -1,5 +1,7 @@
 # The two commands of the README, and their helpers.
 PY ?= .venv/bin/python
+# pytest-xdist workers for `make test`: most tests wait on servers and processes, so two share 2 cores well
+TEST_WORKERS ?= 2
 
 .PHONY: install up down demo smoke test unit integration e2e typecheck bench bench-publish
 
@@ -21,7 +23,7 @@ smoke:
 	$(PY) -m infra smoke
 
 test:
-	$(PY) -m pytest -q --durations=30 tests/unit tests/integration tests/e2e
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=30 tests/unit tests/integration tests/e2e
 	$(PY) -m mypy
 
 unit:

@@ -18,6 +18,32 @@ from schemas.topics import Topics  # noqa: E402
 
 
 ISSUED: list[str] = []  # every namespace the `ns` fixture handed out in this session
+STARTED = pytest.StashKey["object"]()  # the launcher whose servers this pytest run started (and stops)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under `pytest -n N` the controller starts the local servers, once, before its workers ask for them: N
+    workers starting them at the same moment would race for the ports, and each would stop them at its end
+    while the others still run. A worker (and a run without -n) finds them running and leaves them up."""
+    config = session.config
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return
+    from tests.stack import stack_mode
+
+    if stack_mode() != "launcher":  # Testcontainers: each worker starts containers of its own
+        return
+    from infra.launcher import Launcher
+
+    launcher = Launcher()
+    if not all(server["ready"] for server in launcher.status().values()):
+        launcher.up()
+        config.stash[STARTED] = launcher
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    launcher = session.config.stash.get(STARTED, None)
+    if launcher is not None:  # started here: stopped here, so a test run leaves no server behind
+        launcher.down()  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="session")
@@ -51,3 +77,19 @@ def store(stack: Settings):  # type: ignore[no-untyped-def]
     s = ObjectStore(stack)
     s.ensure_bucket()
     return s
+
+
+@pytest.fixture
+def own_minio(stack: Settings, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """(launcher, settings): a MinIO of the test's own beside the shared Kafka, for a test that takes the object
+    store away while the shared one keeps serving the other tests (other pytest workers run at the same time)."""
+    import dataclasses
+
+    from tests.stack import private_launcher
+
+    launcher = private_launcher(tmp_path / "own-minio")
+    launcher.start("minio")
+    try:
+        yield launcher, dataclasses.replace(launcher.settings(), kafka_bootstrap=stack.kafka_bootstrap)
+    finally:
+        launcher.stop(launcher.minio)

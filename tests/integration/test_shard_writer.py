@@ -214,23 +214,25 @@ def test_a_corrupt_record_is_dead_lettered_and_the_rest_is_written(
 
 @pytest.mark.slow
 def test_the_writer_waits_out_an_object_store_outage(
-        stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
+        topics: Topics, own_minio: tuple[Launcher, Settings], tmp_path: Path) -> None:
+    launcher, settings = own_minio
+    store = ObjectStore(settings)
+    store.ensure_bucket()
     records, trajs = scored(topics.ns, {0: 6, 1: 6})
-    produce(stack, topics.scored, records)
-    launcher = Launcher()
+    produce(settings, topics.scored, records)
     log = tmp_path / "writer.log"
     launcher.kill("minio")
     try:
-        proc = start_writer(stack, topics.ns, log, "--max-trajectories", "4", "--max-age-s", "600",
+        proc = start_writer(settings, topics.ns, log, "--max-trajectories", "4", "--max-age-s", "600",
                             "--exit-when-idle-s", "3", "--store-retry-s", "2")
         # blocked on the store past one 2 s attempt window, and still alive
         wait_for(lambda: "still trying" in log.read_text(), what="the writer to wait for the store")
         assert proc.poll() is None
-    finally:  # other tests share this server: it must be back whatever happened here
+    finally:
         launcher.start("minio")
     finish(proc, log)
-    check_consistent(stack, topics, store, trajs)
-    assert committed(stack, topics, f"{topics.ns}.shard-writer") == {0: 6, 1: 6}
+    check_consistent(settings, topics, store, trajs)
+    assert committed(settings, topics, f"{topics.ns}.shard-writer") == {0: 6, 1: 6}
 
 
 def test_a_trajectory_re_emitted_into_the_open_batch_is_written_once(
