@@ -681,3 +681,78 @@ def test_counters_after_a_crash_anywhere_and_a_replay_from_the_start_equal_one_c
     want = totals(clean)
     assert want[("streams/events", (("partition", "0"),))] > 0
     assert totals(restarted) == want
+
+
+def markers(app: StreamsApp) -> tuple[set[bytes], set[bytes]]:
+    """The keys of the closed-episode and closed-group markers the worker holds."""
+    from streams.grouping import ClosedGroup
+
+    tables = app.pipeline.tables  # type: ignore[attr-defined]
+    return ({key for key, _ in tables.seen.items()},
+            {key for key, value in tables.groups.items() if isinstance(value, ClosedGroup)})
+
+
+def test_markers_past_the_dedupe_horizon_are_forgotten_recovered_ones_too_and_not_a_moment_before() -> None:
+    """Closed markers are forgotten from an index kept in closing order: a restarted worker indexes the markers
+    it recovered (their horizon starts anew), forgets them once past it, keeps its own newer ones until theirs
+    ends, and writes a tombstone for each one it forgets."""
+    horizon = dict(episode_timeout_s=0.2, group_timeout_s=0.2, sweep_interval_s=0.05, dedupe_horizon_s=1.0)
+    first, outbox = make_app(**horizon)
+    old = [Episode(f"ep-m{i}", "g-m", "math", 4, i % 2 == 0) for i in range(4)]
+    asyncio.run(put_events(first, episode_messages(*old)))
+    asyncio.run(put_trajectories(first, outbox))
+    old_markers = markers(first)
+    assert old_markers == ({ep.episode_id.encode() for ep in old}, {b"g-m"})
+
+    second, outbox2 = make_app(**horizon)
+    recover(second, outbox.sent)
+    pipeline = second.pipeline  # type: ignore[attr-defined]
+    new = [Episode(f"ep-n{i}", "g-n", "math", 2, i == 0) for i in range(2)]
+
+    async def scenario() -> list[tuple[set[bytes], set[bytes]]]:
+        await pipeline.sweep()  # ready: indexes what it recovered
+        pipeline.prune()
+        seen = [markers(second)]  # nothing is past the horizon yet
+        await asyncio.sleep(0.6)
+        await put_events(second, episode_messages(*new))
+        await put_trajectories(second, outbox2)
+        await asyncio.sleep(0.6)  # the recovered markers are 1.2 s old, the new ones 0.6 s
+        pipeline.prune()
+        seen.append(markers(second))
+        await asyncio.sleep(0.6)
+        pipeline.prune()
+        seen.append(markers(second))
+        return seen
+
+    before, after_old, after_new = asyncio.run(scenario())
+    new_markers = ({ep.episode_id.encode() for ep in new}, {b"g-n"})
+    assert before == old_markers
+    assert after_old == new_markers
+    assert after_new == (set(), set())
+    tombstones = {(s.topic.rsplit(".", 1)[1], s.key) for s in outbox2.sent if s.value is None  # (not members')
+                  and s.topic.endswith(("seen-changelog", "groups-changelog")) and b"\x00" not in s.key}
+    assert tombstones == {("streams-seen-changelog", key) for key in old_markers[0] | new_markers[0]} | \
+        {("streams-groups-changelog", key) for key in old_markers[1] | new_markers[1]}
+
+
+def test_a_restarted_worker_times_out_an_open_group_it_recovered() -> None:
+    members = [Episode(f"ep-q{i}", "g-q", "math", 4, i % 2 == 0) for i in range(4)]
+    first, outbox = make_app()
+    asyncio.run(put_events(first, episode_messages(*members)))
+    trajectories = outbox.to(f"{NS}.trajectories")
+    outbox.sent = [s for s in outbox.sent if s.topic != f"{NS}.trajectories"] + trajectories[:3]
+    asyncio.run(put_trajectories(first, outbox))  # 3 of 4 members: the group stays open
+
+    second, outbox2 = make_app(episode_timeout_s=0.1, group_timeout_s=0.1, sweep_interval_s=0.05)
+    recover(second, outbox.sent)
+    pipeline = second.pipeline  # type: ignore[attr-defined]
+
+    async def scenario() -> None:
+        await pipeline.sweep()
+        await asyncio.sleep(0.2)
+        await pipeline.sweep()
+
+    asyncio.run(scenario())
+    assert pipeline.metrics.total("streams/groups", outcome="timed_out") == 1
+    assert len(decoded(outbox2, "trajectories.scored")) == 3
+    assert markers(second)[1] == {b"g-q"} and pipeline.open_groups == {}

@@ -502,3 +502,31 @@ def test_text_answers_are_exact_with_a_per_character_process_reward(text: str, c
     parts = measure(traj)
     assert (parts["outcome/correct"], parts["process/chars_correct"]) == (correct, pytest.approx(chars))
     assert parts["process/answer_found"] == float(bool(text.strip()))
+
+
+def test_closed_markers_are_due_oldest_first_an_out_of_order_one_late_never_early_and_stale_entries_dropped() -> None:
+    from streams.assembly import ClosedEpisode
+    from streams.expiry import ClosedMarkers
+
+    table: dict[bytes, ClosedEpisode] = {}
+    queue = ClosedMarkers()
+
+    def close(key: bytes, ts: int, partition: int = 0) -> None:
+        table[key] = ClosedEpisode("completed", ts, 0, partition=partition)
+        queue.add(partition, key, table[key])
+
+    for key, ts in ((b"a", 100), (b"b", 300), (b"late", 50), (b"c", 400)):
+        close(key, ts)
+    close(b"p1", 10, partition=1)
+    close(b"b", 350)  # closed again (a recovered duplicate): its older entry is stale
+    del table[b"c"]  # let go in a rebalance
+
+    def due(before: int) -> list[tuple[int, bytes]]:
+        return queue.due(lambda marker: marker.closed_ts < before, table.get)
+
+    assert due(60) == [(1, b"p1")]  # "late" (ts 50) waits behind "a" (ts 100): forgotten late, never early
+    assert due(200) == [(0, b"a"), (0, b"late")]
+    assert due(340) == []  # b@350 is not due (its stale b@300 entry went on the way to "late")
+    assert due(1000) == [(0, b"b")] and len(queue) == 0  # c was deleted: dropped, not reported
+    queue.rebuild([(b"y", ClosedEpisode("completed", 9, 0)), (b"x", ClosedEpisode("completed", 5, 0, partition=2))])
+    assert [(p, [k for k, _ in q]) for p, q in sorted(queue.queues.items())] == [(0, [b"y"]), (2, [b"x"])]
