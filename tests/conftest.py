@@ -5,7 +5,7 @@ import os
 import sys
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import pytest
 
@@ -16,9 +16,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 from infra.settings import Settings  # noqa: E402
 from schemas.topics import Topics  # noqa: E402
 
+if TYPE_CHECKING:
+    from infra.launcher import Launcher
+
 
 ISSUED: list[str] = []  # every namespace the `ns` fixture handed out in this session
-STARTED = pytest.StashKey["object"]()  # the launcher whose servers this pytest run started (and stops)
+STARTED = pytest.StashKey["Launcher"]()  # the launcher whose servers this pytest run started (and stops)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -36,14 +39,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
     launcher = Launcher()
     if not all(server["ready"] for server in launcher.status().values()):
+        config.stash[STARTED] = launcher  # first: a start that fails half-way is stopped at the end too
         launcher.up()
-        config.stash[STARTED] = launcher
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     launcher = session.config.stash.get(STARTED, None)
     if launcher is not None:  # started here: stopped here, so a test run leaves no server behind
-        launcher.down()  # type: ignore[attr-defined]
+        launcher.down()
 
 
 @pytest.fixture(scope="session")
