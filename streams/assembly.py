@@ -120,7 +120,17 @@ def _evolve(state: EpisodeState, **changes: object) -> EpisodeState:
     return new
 
 
+def _copy(turn: TrajectoryTurn, **changes: object) -> TrajectoryTurn:
+    """dataclasses.replace without re-running __init__ (the fields come from schema-checked events)."""
+    new = object.__new__(TrajectoryTurn)
+    new.__dict__.update(turn.__dict__, **changes)
+    return new
+
+
 def _check_same_episode(state: EpisodeState, event: RolloutEvent) -> None:
+    if state.ended is None and event.group_id == state.group_id and event.task_id == state.task_id \
+            and event.domain == state.domain and event.run == state.run:  # EPISODE_FIELDS, without getattr
+        return
     if state.ended is not None:
         raise ValidationError("bad_step", f"{type(event.body).__name__} after EpisodeEnded of {state.episode_id}")
     for name in EPISODE_FIELDS:
@@ -151,8 +161,8 @@ def _add_result(state: EpisodeState, body: SandboxResult) -> EpisodeState:
         raise ValidationError("bad_step", f"SandboxResult for turn {body.turn}, which has no PolicyTurn")
     if state.turns[index].outcome:
         raise ValidationError("bad_step", f"a second SandboxResult for turn {body.turn}")
-    turn = replace(state.turns[index], outcome=body.outcome, tests_passed=body.tests_passed,
-                   tests_total=body.tests_total, stderr=body.stderr)
+    turn = _copy(state.turns[index], outcome=body.outcome, tests_passed=body.tests_passed,
+                 tests_total=body.tests_total, stderr=body.stderr)
     return _evolve(state, turns=state.turns[:index] + (turn,) + state.turns[index + 1:])
 
 

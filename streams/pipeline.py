@@ -22,8 +22,9 @@ import functools
 import gc
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Mapping, Optional, Protocol
 
 from infra.claims import resolve
 from infra.settings import Settings
@@ -95,6 +96,7 @@ class EpisodeBatch:
     logs: dict[bytes, EpisodeLog] = field(default_factory=dict)
     opened: set[bytes] = field(default_factory=set)
     ended: list[bytes] = field(default_factory=list)
+    accepted: Counter[int] = field(default_factory=Counter)  # events folded, by partition
 
 
 class ClaimResolver:
@@ -160,12 +162,14 @@ class Pipeline:
                 await self._on_events(fresh)
 
     async def _on_events(self, messages: list[Message]) -> None:
+        self._count_each(self.episode_tally, Counter(m.partition for m in messages), "streams/events")
         cleaned = [self._clean(m) for m in messages]
         await self._check_claims([c for c in cleaned if c is not None and _claimed(c.event)])
         batch = EpisodeBatch()
         for item in cleaned:
             if item is not None and not item.rejected:
                 self._assemble(item, batch)
+        self._count_each(self.episode_tally, batch.accepted, "streams/accepted")
         ended = [(key, batch.logs.pop(key), key not in batch.opened) for key in batch.ended]
         oversize = [(key, batch.logs.pop(key), key not in batch.opened) for key, episode in list(batch.logs.items())
                     if log_bytes(episode) > self.max_record_bytes]
@@ -189,8 +193,12 @@ class Pipeline:
             self.metrics.count(name, n, **labels)
             tally.count(partition, (name, tuple(sorted(labels.items()))), n)
 
+    def _count_each(self, tally: Tally, by_partition: Mapping[int, int], name: str) -> None:
+        """A batch's count of `name` in each partition, counted once per partition rather than once per record."""
+        for partition, n in by_partition.items():
+            self._count(tally, partition, name, n)
+
     def _clean(self, message: Message) -> Optional[Incoming]:
-        self._count(self.episode_tally, message.partition, "streams/events")
         try:
             event = decode_event(message.value)
             if not _claimed(event):  # a claimed turn is checked once its payload is fetched
@@ -232,7 +240,7 @@ class Pipeline:
         except Exception as exc:
             self._failed(item.message, exc, "assemble", event)
             return
-        self._count(self.episode_tally, partition, "streams/accepted")
+        batch.accepted[partition] += 1
         self.event_time.touch(key, (partition, item.event.producer_id))
         raw = item.message.value or b""
         if episode is None:

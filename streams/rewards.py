@@ -55,11 +55,12 @@ the task_spec. Any failure inside a reward function surfaces as RewardError (the
 """
 from __future__ import annotations
 
+import copy
 import math
 import re
 from dataclasses import dataclass
 from fractions import Fraction
-from functools import wraps
+from functools import lru_cache, wraps
 from typing import Any, Callable, Mapping
 
 from math_verify import parse, verify
@@ -319,18 +320,25 @@ def math_components(trajectory: Trajectory, spec: Mapping[str, Any]) -> dict[str
     return {OUTCOME_CORRECT: float(correct), PROCESS_ANSWER: float(answer is not None)}
 
 
-def _cell_cited(text: str, cell: Mapping[str, Any]) -> bool:
+@lru_cache(maxsize=4096)
+def _value_pattern(form: str) -> re.Pattern[str]:
+    """A cell's value written on its own (not inside a longer number); compiled once per value."""
+    return re.compile(rf"(?<![\d,.]){re.escape(form)}(?![\d,]|\.\d)")
+
+
+def _cell_cited(text: str, lowered: str, cell: Mapping[str, Any]) -> bool:
     value = cell["value"]
     forms = {str(value), f"{value:,}"} if isinstance(value, int) else {str(value)}
-    mentions_value = any(re.search(rf"(?<![\d,.]){re.escape(f)}(?![\d,]|\.\d)", text) for f in forms)
-    return mentions_value or cell["row"].lower() in text.lower()
+    mentions_value = any(_value_pattern(f).search(text) for f in forms)
+    return mentions_value or cell["row"].lower() in lowered
 
 
 def table_components(trajectory: Trajectory, spec: Mapping[str, Any]) -> dict[str, float]:
     answer = extract_final_answer(_final_text(trajectory))
     correct = answer is not None and table_correct(answer, spec["answer"], float(spec["tolerance"]))
     text = "\n".join(t.text for t in trajectory.turns)
-    cited = [_cell_cited(text, cell) for cell in spec["cells"]]
+    lowered = text.lower()
+    cited = [_cell_cited(text, lowered, cell) for cell in spec["cells"]]
     return {OUTCOME_CORRECT: float(correct), PROCESS_ANSWER: float(answer is not None),
             PROCESS_CELLS: sum(cited) / len(cited)}
 
@@ -349,7 +357,7 @@ def environment_components(trajectory: Trajectory, spec: Mapping[str, Any]) -> d
     if spec["env_version"] not in environments.accepted_versions(env):
         raise RewardError(f"environment {trajectory.domain} v{env.version} does not score tasks of its version "
                           f"{spec['env_version']} (it accepts {sorted(environments.accepted_versions(env))})")
-    found = dict(env.verify(spec, _final_text(trajectory)))
+    found = dict(env.verify(copy.deepcopy(spec), _final_text(trajectory)))
     if environments.OUTCOME not in found:
         raise RewardError(f"environment {trajectory.domain} verify gave no {environments.OUTCOME}: {sorted(found)}")
     components = {str(k): float(v) for k, v in found.items()}
@@ -413,10 +421,17 @@ def untrainable_components(trajectory: Trajectory) -> dict[str, float] | None:
 
 def _spec(trajectory: Trajectory) -> dict[str, Any]:
     try:
-        return decode_task_spec(trajectory.task_spec, trajectory.domain)
+        return dict(_decoded_spec(trajectory.task_spec, trajectory.domain))
     except TaskSpecError as exc:
         where = f"trajectory {trajectory.trajectory_id} ({trajectory.task_id})"
         raise RewardError(f"{where}: bad task_spec: {exc}") from exc
+
+
+@lru_cache(maxsize=4096)
+def _decoded_spec(text: str, domain: str) -> dict[str, Any]:
+    """A group's members share their task's spec: parsed and checked once. Shared between calls: the scorers
+    here only read it, and an installed environment's verifier gets a copy of its own."""
+    return decode_task_spec(text, domain)
 
 
 def measure(trajectory: Trajectory) -> dict[str, float]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import json
 import math
 from dataclasses import replace
 
@@ -395,6 +396,18 @@ def test_groups_markers_and_counts_round_trip() -> None:
 
 
 # ---- fast codec paths -------------------------------------------------------------------------------
+
+def test_a_closed_marker_is_written_byte_for_byte_as_its_json() -> None:
+    """The usual marker is formatted directly; the changelog must hold the same bytes the JSON writer makes."""
+    markers = [assembly.ClosedEpisode("completed", 1_760_000_000_123, 4, (), 1),
+               assembly.ClosedEpisode('odd "status" \\ é\n', 5, 0, (), 0),
+               assembly.ClosedEpisode("abandoned", 7, 9, (2, 5), 3)]
+    for marker in markers:
+        doc = {"status": marker.status, "closed_ts": marker.closed_ts, "last_seq": marker.last_seq,
+               "partition": marker.partition, **({"missing": list(marker.missing)} if marker.missing else {})}
+        assert dump_closed_episode(marker) == json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+        assert load_closed_episode(dump_closed_episode(marker)) == marker
+
 
 def test_the_fast_event_decode_gives_what_the_codec_gives() -> None:
     from tests.streams_data import recorded_stream
