@@ -9,10 +9,12 @@ Afterwards `--model smollm2-135m` (producers, learner, demo) loads the folder in
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import importlib.util
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -42,15 +44,45 @@ def sha256_file(path: Path) -> str:
 
 
 def convert(name: str, out: Optional[Path] = None) -> Path:
-    """The converted folder of `name` (made once; verified GGUF in, safetensors + tokenizer out)."""
+    """The converted folder of `name` (made once; verified GGUF in, safetensors + tokenizer out).
+
+    Conversions of the same folder take turns (a lock file beside it): a second one waits for the first and
+    then finds its folder. Each writes its own temporary folder, renamed into place once complete."""
     if name not in PRETRAINED:
         raise ConfigError(f"unknown pretrained model {name!r}; known: {', '.join(PRETRAINED)}")
     out = out or pretrained_dir(name)
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+    if _complete(out):
         return out
     source = gguf_path(name)
     if sha256_file(source) != PRETRAINED[name]["sha256"]:
         raise IntegrityError(f"{source} does not have the pinned sha256 {PRETRAINED[name]['sha256']}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another conversion of {out} to finish", file=sys.stderr, flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if _complete(out):  # the other conversion made it meanwhile
+            return out
+        for stale in out.parent.glob(f"{out.name}.partial*"):  # left by a conversion killed mid-way
+            shutil.rmtree(stale, ignore_errors=True)
+        partial = Path(tempfile.mkdtemp(prefix=f"{out.name}.partial-", dir=out.parent))
+        try:
+            _write(source, partial)
+            shutil.rmtree(out, ignore_errors=True)
+            partial.rename(out)  # a crash mid-conversion leaves no half folder behind under the real name
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+    return out
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+
+
+def _write(source: Path, folder: Path) -> None:
+    """The GGUF dequantised to float32, saved as safetensors with its tokenizer into `folder`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -61,14 +93,9 @@ def convert(name: str, out: Optional[Path] = None) -> Path:
     setattr(model, "is_quantized", False)  # noqa: B010
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(str(partial), safe_serialization=True)
-    tokenizer.save_pretrained(str(partial))
-    shutil.rmtree(out, ignore_errors=True)
-    partial.rename(out)  # a crash mid-conversion leaves no half folder behind under the real name
-    print(f"converted {source.name} -> {out} in {time.monotonic() - started:.0f}s", file=sys.stderr)
-    return out
+    model.save_pretrained(str(folder), safe_serialization=True)
+    tokenizer.save_pretrained(str(folder))
+    print(f"converted {source.name} in {time.monotonic() - started:.0f}s", file=sys.stderr)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -1,6 +1,8 @@
 """Real pretrained weights from a registry package: SmolLM2-135M-Instruct's GGUF, verified and converted once."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +16,33 @@ from schemas.models import PRETRAINED
 
 
 @pytest.fixture(scope="module")
-def smollm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return convert("smollm2-135m", tmp_path_factory.mktemp("models") / "smollm2-135m")
+def conversions(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tuple[int, str, str]]]:
+    """Two conversions into the same folder at once (two demos starting on one cache), beside the temporary
+    folder a conversion killed mid-way left: (folder, [(exit code, stdout, stderr)] of each)."""
+    out = tmp_path_factory.mktemp("models") / "smollm2-135m"
+    (out.parent / "smollm2-135m.partial-killed").mkdir()
+    procs = [subprocess.Popen([sys.executable, "-m", "learner.pretrained", "smollm2-135m", "--out", str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=600)
+        results.append((proc.returncode, stdout, stderr))
+    return out, results
+
+
+@pytest.fixture(scope="module")
+def smollm(conversions: tuple[Path, list[tuple[int, str, str]]]) -> Path:
+    return conversions[0]
+
+
+def test_two_conversions_at_once_take_turns_and_leave_one_whole_folder(
+        conversions: tuple[Path, list[tuple[int, str, str]]]) -> None:
+    out, results = conversions
+    assert [code for code, _, _ in results] == [0, 0], [stderr[-2000:] for _, _, stderr in results]
+    assert [stdout.strip() for _, stdout, _ in results] == [str(out)] * 2
+    assert sum("waiting for another conversion" in stderr for _, _, stderr in results) == 1
+    assert sum("converted " in stderr for _, _, stderr in results) == 1  # the second found the first's folder
+    assert not [p.name for p in out.parent.iterdir() if "partial" in p.name]
 
 
 def test_the_converted_folder_loads_with_from_pretrained_model_and_tokenizer(smollm: Path) -> None:
