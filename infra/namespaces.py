@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from confluent_kafka import TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from infra.kafka import admin, consumer
@@ -23,6 +23,8 @@ from schemas.errors import ConfigError, PipelineError
 from schemas.topics import Topics
 
 OBJECT_AREAS = ("shards", "checkpoints", "archive", "claims")  # schemas.keys: <area>/<ns>/...
+# A topic deleted since the broker listed it answers with one of these.
+GONE = (KafkaError._UNKNOWN_PARTITION, KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_OR_PART)
 
 
 @dataclass
@@ -71,7 +73,7 @@ def survey(settings: Settings, store: Optional[ObjectStore] = None) -> dict[str,
         ns = namespace_of(name)
         if ns is not None:
             found.setdefault(ns, Namespace(ns)).topics.append(name)
-    _count_records(settings, metadata, found)
+    count_records(settings, metadata, found)
     store = store or ObjectStore(settings)
     for area in OBJECT_AREAS:
         for prefix in store.list(f"{area}/", recursive=False):
@@ -88,14 +90,24 @@ def survey(settings: Settings, store: Optional[ObjectStore] = None) -> dict[str,
     return dict(sorted(found.items()))
 
 
-def _count_records(settings: Settings, metadata: Any, found: dict[str, Namespace]) -> None:
+def count_records(settings: Settings, metadata: Any, found: dict[str, Namespace]) -> None:
+    """Each namespace's records, from its topics' offsets. A topic deleted since `metadata` was read (another
+    session clearing its namespaces meanwhile) is dropped from its namespace, and a namespace left with no topic
+    from the listing (its objects are counted after this)."""
     c = consumer(settings, "trajpipe-namespaces")
     try:
-        for entry in found.values():
-            for name in entry.topics:
-                for partition in metadata.topics[name].partitions:
-                    low, high = c.get_watermark_offsets(TopicPartition(name, partition), timeout=10)
-                    entry.records += max(0, high - low)
+        for ns, entry in list(found.items()):
+            for name in list(entry.topics):
+                try:
+                    for partition in metadata.topics[name].partitions:
+                        low, high = c.get_watermark_offsets(TopicPartition(name, partition), timeout=10)
+                        entry.records += max(0, high - low)
+                except KafkaException as exc:
+                    if exc.args[0].code() not in GONE:
+                        raise
+                    entry.topics.remove(name)
+            if not entry.topics:
+                del found[ns]
     finally:
         c.close()
 

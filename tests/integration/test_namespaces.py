@@ -4,14 +4,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from confluent_kafka import TopicPartition
 
 from infra.bootstrap import bootstrap
-from infra.kafka import Publisher, consumer
-from infra.namespaces import delete_namespace, delete_prefixed, survey
+from infra.kafka import Publisher, admin, consumer
+from infra.namespaces import Namespace, count_records, delete_namespace, delete_prefixed, survey
 from infra.objectstore import ObjectStore
 from infra.settings import Settings
 from schemas.errors import PipelineError
@@ -83,3 +84,33 @@ def test_a_test_sessions_namespaces_are_cleared_in_one_pass_and_no_other_is_touc
     assert done["groups_deleted"] == 1 and done["failed"] == []
     assert sorted(left[other].topics) == sorted(s.name for s in made[2].specs()) and left[other].objects == 1
     delete_prefixed(stack, [other])
+
+
+def test_a_namespace_deleted_while_they_are_listed_drops_out_of_the_listing(stack: Settings, ns: str,
+                                                                           store: ObjectStore) -> None:
+    """Listing reads the broker's topics, then each one's offsets: a topic deleted in between (another
+    session clearing its namespaces) is no longer there to ask, which must not fail the listing."""
+    kept, gone = Topics(ns), Topics(f"{ns}-gone")
+    for t in (kept, gone):
+        bootstrap(stack, t.ns, partitions=1)
+    pub = Publisher(stack)
+    pub.send(kept.events, b"k", b"v")
+    pub.close()
+    listed_before = admin(stack).list_topics(timeout=30)  # what the listing read before the deletion
+    delete_prefixed(stack, [gone.ns])
+    wait_until_gone(stack, [s.name for s in gone.specs()])
+
+    stale = Namespace(gone.ns, topics=[s.name for s in gone.specs()])
+    found = {ns: Namespace(ns, topics=[s.name for s in kept.specs()]), gone.ns: stale}
+    count_records(stack, listed_before, found)
+    assert found[ns].records == 1 and found[ns].topics == [s.name for s in kept.specs()]
+    assert gone.ns not in found  # nothing of it left: no topic, and it had no object
+    listed = survey(stack, store)
+    assert listed[ns].records == 1 and gone.ns not in listed
+
+
+def wait_until_gone(settings: Settings, names: list[str], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while set(names) & set(admin(settings).list_topics(timeout=30).topics):
+        assert time.monotonic() < deadline, f"topics still listed after {timeout_s}s"
+        time.sleep(0.5)
