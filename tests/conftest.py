@@ -1,11 +1,12 @@
 """Shared fixtures: the real stack (session), a fresh namespace with its topics, an object store."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import pytest
 
@@ -16,12 +17,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 from infra.settings import Settings  # noqa: E402
 from schemas.topics import Topics  # noqa: E402
 
-if TYPE_CHECKING:
-    from infra.launcher import Launcher
-
-
 ISSUED: list[str] = []  # every namespace the `ns` fixture handed out in this session
-STARTED = pytest.StashKey["Launcher"]()  # the launcher whose servers this pytest run started (and stops)
+SERVERS = pytest.StashKey[contextlib.ExitStack]()  # the local servers of this pytest run (stopped if it started them)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -31,22 +28,18 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
         return
-    from tests.stack import stack_mode
+    from tests.stack import launcher_stack, stack_mode
 
     if stack_mode() != "launcher":  # Testcontainers: each worker starts containers of its own
         return
-    from infra.launcher import Launcher
-
-    launcher = Launcher()
-    if not all(server["ready"] for server in launcher.status().values()):
-        config.stash[STARTED] = launcher  # first: a start that fails half-way is stopped at the end too
-        launcher.up()
+    servers = config.stash[SERVERS] = contextlib.ExitStack()
+    servers.enter_context(launcher_stack())
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    launcher = session.config.stash.get(STARTED, None)
-    if launcher is not None:  # started here: stopped here, so a test run leaves no server behind
-        launcher.down()
+    servers = session.config.stash.get(SERVERS, None)
+    if servers is not None:
+        servers.close()
 
 
 @pytest.fixture(scope="session")

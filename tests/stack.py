@@ -78,11 +78,11 @@ def launcher_stack(launcher: "Launcher | None" = None) -> Iterator[Settings]:
 
     launcher = launcher or Launcher()
     running = all(server["ready"] for server in launcher.status().values())
-    launcher.up()  # idempotent: reuses servers that .ci/run or a developer already started
     try:
+        launcher.up()  # idempotent: reuses servers that .ci/run or a developer already started
         yield launcher.settings()
     finally:
-        if not running:  # started here: stopped here, so a test run leaves no server behind
+        if not running:  # started here (even half-way): stopped here, so a test run leaves no server behind
             launcher.down()
 
 
