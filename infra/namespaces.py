@@ -92,8 +92,8 @@ def survey(settings: Settings, store: Optional[ObjectStore] = None) -> dict[str,
 
 def count_records(settings: Settings, metadata: Any, found: dict[str, Namespace]) -> None:
     """Each namespace's records, from its topics' offsets. A topic deleted since `metadata` was read (another
-    session clearing its namespaces meanwhile) is dropped from its namespace, and a namespace left with no topic
-    from the listing (its objects are counted after this)."""
+    session clearing its namespaces meanwhile) is dropped from its namespace, and a namespace left with no topic is
+    dropped from `found` (survey adds it back if it still has objects, which it counts after this)."""
     c = consumer(settings, "trajpipe-namespaces")
     try:
         for ns, entry in list(found.items()):
