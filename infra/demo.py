@@ -302,12 +302,13 @@ def curve_versions(final: int, sft: int, points: int, every: int = 0) -> list[in
     return sorted({0, *inside, sft, *rl, final})
 
 
-def run_eval(run: Run, args: argparse.Namespace, versions: list[int], modes: str) -> list[dict[str, Any]]:
+def run_eval(run: Run, args: argparse.Namespace, greedy: list[int], sampled: list[int]) -> list[dict[str, Any]]:
     env = {**os.environ, **run.settings.as_env()}
-    proc = subprocess.run([sys.executable, "-m", "learner.eval", "--ns", run.ns, "--versions",
-                           ",".join(map(str, versions)), "--modes", modes, "--sources", args.sources, "--episodes",
-                           str(args.eval_episodes), "--max-new-tokens", str(args.max_new_tokens), "--temperature",
-                           str(args.temperature), "--json"], env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "learner.eval", "--ns", run.ns, "--versions", ",".join(map(str, greedy)),
+                           "--sampled-versions", ",".join(map(str, sampled)), "--modes", "greedy,sampled",
+                           "--sources", args.sources, "--episodes", str(args.eval_episodes), "--max-new-tokens",
+                           str(args.max_new_tokens), "--temperature", str(args.temperature), "--json"],
+                          env=env, capture_output=True, text=True)
     with open(run.dir / "logs" / "eval.log", "a") as log:
         log.write(proc.stderr)
     if proc.returncode != 0:
@@ -323,8 +324,7 @@ def evaluate(run: Run, args: argparse.Namespace, manifests: dict[int, Checkpoint
         return []
     created = {v: m.created_ts for v, m in manifests.items()}
     final, sft = max(created), post_sft_version(manifests, args)
-    results = run_eval(run, args, curve_versions(final, sft, args.curve_points, args.keep_every), "greedy")
-    results += run_eval(run, args, sorted({0, sft, final}), "sampled")
+    results = run_eval(run, args, curve_versions(final, sft, args.curve_points, args.keep_every), sorted({0, sft, final}))
     for r in results:
         r["seconds"] = (created[r["version"]] - created[0]) / 1000
         r["phase"] = "initial" if r["version"] == 0 else "sft" if r["version"] <= sft else "rl"

@@ -130,6 +130,22 @@ def count(settings: Settings, topic: str) -> int:
     return sum(hi - lo for lo, hi in end_offsets(settings, topic).values())
 
 
+@dataclass
+class Worker:
+    """An evaluation worker process: one mode, its versions in turn."""
+    mode: str
+    versions: list[int]
+    proc: subprocess.Popen[bytes]
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def name(self) -> str:
+        return ", ".join(f"v{v}" for v in self.versions)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+
 class Evaluation:
     def __init__(self, settings: Settings, args: argparse.Namespace) -> None:
         self.settings, self.args = settings, args
@@ -142,40 +158,31 @@ class Evaluation:
         env = self.env if threads is None else {**self.env, "OMP_NUM_THREADS": str(threads)}
         return subprocess.Popen([sys.executable, "-m", module, *argv], env=env, stdout=log, stderr=log)
 
-    def worker(self, ns: str, version: int, mode: str) -> list[str]:
+    def worker(self, ns: str, versions: list[int], mode: str) -> list[str]:
+        """A rollout worker's flags to play the held-out tasks with each of `versions` in turn, in one mode."""
         a = self.args
         greedy = mode == "greedy"
-        return ["--ns", ns, "--init-checkpoint", f"{a.ns}:{version}", "--split", "heldout", "--sources", a.sources,
-                "--episodes", str(a.episodes), "--group-size", "1" if greedy else str(a.group_size),
+        return ["--ns", ns, "--init-checkpoint", f"{a.ns}:{','.join(map(str, versions))}", "--split", "heldout",
+                "--sources", a.sources, "--episodes", str(a.episodes), "--group-size", "1" if greedy else str(a.group_size),
+                "--prompts-per-step", str(max(1, a.prompts_per_step // (1 if greedy else a.group_size))),
                 "--no-follow", "--max-new-tokens", str(a.max_new_tokens), "--temperature",
-                "0" if greedy else str(a.temperature), "--seed", str(a.seed), "--producer-id", f"eval-v{version}-{mode}",
-                *model_args(self.store, a.ns, version)]
+                "0" if greedy else str(a.temperature), "--seed", str(a.seed),
+                "--producer-id", f"eval-{mode}-v{'-'.join(map(str, versions))}", *model_args(self.store, a.ns, versions[0])]
 
-    def run(self, versions: list[int]) -> list[EvalResult]:
-        """Every version in both modes, in one throwaway namespace scored by one streams worker."""
+    def plan(self, jobs: dict[str, list[int]]) -> list[tuple[str, list[int]]]:
+        """The worker processes: each mode's versions dealt into --parallel of them (a process starts Python, torch
+        and the task split once for all its versions; with 11 versions and modes that start was most of the time)."""
+        at_once = max(1, self.args.parallel)
+        return [(mode, versions[k::at_once]) for mode, versions in jobs.items() for k in range(min(at_once, len(versions)))]
+
+    def run(self, jobs: dict[str, list[int]]) -> list[EvalResult]:
+        """Every version in its modes (mode -> versions), in one throwaway namespace scored by one streams worker."""
         ns = f"{self.args.ns}-eval-{uuid.uuid4().hex[:6]}"
         bootstrap(self.settings, ns)
         streams = self.spawn("streams", "--ns", ns)
-        jobs = [(version, mode) for version in versions for mode in self.args.modes.split(",")]
-        at_once = min(self.args.parallel, len(jobs)) or 1
-        threads = max(1, len(os.sched_getaffinity(0)) // at_once) if at_once > 1 else None
         try:
-            for first in range(0, len(jobs), at_once):
-                started = time.monotonic()
-                running = [(v, m, self.spawn("producers", *self.worker(ns, v, m), threads=threads))
-                           for v, m in jobs[first:first + at_once]]
-                try:
-                    for version, mode, worker in running:
-                        if self.finish(worker, version, mode) != 0:
-                            raise PipelineError(f"the evaluation worker for v{version} ({mode}) failed")
-                        print(f"v{version} {mode}: {self.args.episodes} held-out episodes in "
-                              f"{time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
-                finally:
-                    for _, _, worker in running:  # a failed one's partners are not left generating
-                        if worker.poll() is None:
-                            worker.kill()
-                            worker.wait()
-            self.wait_for(Topics(ns).trajectories, len(jobs) * self.args.episodes)
+            self.play(ns, self.plan(jobs))
+            self.wait_for(Topics(ns).trajectories, sum(len(v) for v in jobs.values()) * self.args.episodes)
             trajectories = [codec.decode(m.value() or b"", expect=Trajectory)
                             for m in read_topic(self.settings, Topics(ns).trajectories)]
         finally:
@@ -184,19 +191,47 @@ class Evaluation:
             if not self.args.keep:
                 delete_topics(self.settings, [spec.name for spec in Topics(ns).specs()])
         unique = {t.trajectory_id: t for t in trajectories}  # at-least-once upstream: dedupe by id
+        order = list(dict.fromkeys(v for versions in jobs.values() for v in versions))
         return [summarise(v, mode, [t for t in unique.values() if self.of(t, v, mode)])
-                for v in versions for mode in self.args.modes.split(",")]
+                for v in order for mode, versions in jobs.items() if v in versions]
 
-    def finish(self, worker: subprocess.Popen[bytes], version: int, mode: str) -> int:
-        """The worker's exit code; past --timeout it is killed (never left generating) and that is an error."""
+    def play(self, ns: str, queue: list[tuple[str, list[int]]]) -> None:
+        """Runs the evaluation workers, --parallel at once (the next starts as soon as one has finished, the cores
+        shared among them); one that fails or overruns stops the others and is an error."""
+        at_once = min(self.args.parallel, len(queue)) or 1
+        threads = max(1, len(os.sched_getaffinity(0)) // at_once) if at_once > 1 else None
+        queue, running = list(queue), list[Worker]()
         try:
-            return worker.wait(timeout=self.args.timeout)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
-            raise PipelineError(f"the evaluation worker for v{version} ({mode}) did not finish {self.args.episodes} "
-                                f"episodes within --timeout {self.args.timeout:.0f} s and was stopped: raise --timeout "
-                                "(a pretrained model's multi-turn episodes take minutes on a CPU)") from None
+            while queue or running:
+                while queue and len(running) < at_once:
+                    mode, versions = queue.pop(0)
+                    running.append(Worker(mode, versions, self.spawn("producers", *self.worker(ns, versions, mode),
+                                                                     threads=threads)))
+                done = next((w for w in running if w.proc.poll() is not None), None)
+                if done is None:
+                    for w in running:
+                        if w.elapsed() > self.args.timeout * len(w.versions):
+                            self.overdue(w)
+                    time.sleep(0.1)
+                    continue
+                running.remove(done)
+                if done.proc.returncode != 0:
+                    raise PipelineError(f"the evaluation worker for {done.name} ({done.mode}) failed")
+                print(f"{done.name} {done.mode}: {self.args.episodes} held-out episodes each in {done.elapsed():.0f}s",
+                      file=sys.stderr, flush=True)
+        finally:
+            for w in running:  # a failed one's partners are not left generating
+                if w.proc.poll() is None:
+                    w.proc.kill()
+                    w.proc.wait()
+
+    def overdue(self, w: "Worker") -> None:
+        """Past --timeout a version, a worker is stopped (never left generating), and that is an error."""
+        w.proc.kill()
+        w.proc.wait()
+        raise PipelineError(f"the evaluation worker for {w.name} ({w.mode}) did not finish {self.args.episodes} "
+                            f"episodes a version within --timeout {self.args.timeout:.0f} s and was stopped: raise "
+                            "--timeout (a pretrained model's multi-turn episodes take minutes on a CPU)")
 
     @staticmethod
     def of(t: Trajectory, version: int, mode: str) -> bool:
@@ -226,7 +261,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--temperature", type=float, default=1.0, help="of sampled mode: the training temperature")
     p.add_argument("--seed", type=int, default=EVAL_SEED, help="which held-out tasks are drawn (both modes draw the same)")
-    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--sampled-versions", default=None,
+                   help="the versions sampled mode evaluates, when not --versions (the demo samples v0, post-SFT and "
+                        "the final one, and draws its curve greedily)")
+    p.add_argument("--prompts-per-step", type=int, default=32,
+                   help="episodes an evaluation worker generates at once (the default model: 32 took 0.7 of the "
+                        "time 4 took)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a version may take: a worker past it times its versions is stopped, an error")
     p.add_argument("--parallel", type=int, default=2,
                    help="evaluation workers generating at once, the cores shared among them (1: one after another)")
     p.add_argument("--keep", action="store_true", help="keep the evaluation namespace's topics (default: deleted)")
@@ -240,13 +282,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.ns:
         print("error: --ns is required (or set TRAJPIPE_NS)", file=sys.stderr)
         return 2
-    if args.parallel < 1:
-        print(f"error: --parallel must be at least 1, got {args.parallel}", file=sys.stderr)
+    for flag in ("parallel", "prompts_per_step"):
+        if getattr(args, flag) < 1:
+            print(f"error: --{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}", file=sys.stderr)
+            return 2
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or not set(modes) <= {"greedy", "sampled"}:
+        print(f"error: --modes {args.modes!r}: greedy, sampled or both", file=sys.stderr)
         return 2
     try:
         settings = Settings.from_env()
         ev = Evaluation(settings, args)
-        results = ev.run(resolve_versions(settings, ev.topics, args.versions))
+        jobs = {mode: resolve_versions(settings, ev.topics, args.sampled_versions if mode == "sampled" and
+                                       args.sampled_versions else args.versions) for mode in modes}
+        results = ev.run(jobs)
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -45,7 +45,9 @@ class WorkerSettings:
     # --quota-wait-s.
     demand_settle_s: float | None = 1.0
     split: str = "train"  # train | heldout | all: held-out tasks are for evaluation only
-    init_checkpoint: str | None = None  # "NS:VERSION" or "NS:latest": start from that published checkpoint
+    # "NS:VERSION" or "NS:latest": start from that published checkpoint; "NS:V1,V2,...": --episodes with each in
+    # turn, the same tasks each (evaluation: one start-up for several versions)
+    init_checkpoint: str | None = None
     layers: int = 4  # size of the small model when no --model-dir is given
     own_weights: bool = False  # generate with the worker's own init (data-path tests): no checkpoint names them
     demonstrations: int = 0  # publish this many demonstration episodes (gold completions), then exit
@@ -77,6 +79,9 @@ class WorkerSettings:
              "--own-weights is for a worker that does not follow checkpoints: add --no-follow"),
             (self.demonstrations >= 0, f"--demonstrations must be >= 0, got {self.demonstrations}"),
             (0.0 <= self.curriculum_probe <= 1.0, f"--curriculum-probe must be in [0, 1], got {self.curriculum_probe}"),
+            (len(self.init_checkpoints) < 2 or (not self.follow_checkpoints and self.episodes is not None),
+             "--init-checkpoint with several versions plays --episodes with each in turn: add --no-follow and "
+             "--episodes N"),
         ]
         for ok, message in checks:
             if not ok:
@@ -85,6 +90,18 @@ class WorkerSettings:
     @property
     def topics(self) -> Topics:
         return Topics(self.ns)
+
+    @property
+    def init_checkpoints(self) -> list[str]:
+        """--init-checkpoint as one NS:VERSION per version: 'run:3,5,latest' -> ['run:3', 'run:5', 'run:latest']."""
+        if not self.init_checkpoint:
+            return []
+        ns, _, versions = self.init_checkpoint.rpartition(":")
+        parts = [v.strip() for v in versions.split(",")]
+        if not ns or not all(v == "latest" or v.isdigit() for v in parts):
+            raise ConfigError(f"--init-checkpoint {self.init_checkpoint!r}: write NS:VERSION, NS:latest or "
+                              "NS:V1,V2,... (evaluation, each in turn)")
+        return [f"{ns}:{v}" for v in parts]
 
 
 def parse_weights(text: str) -> dict[str, float]:
@@ -147,7 +164,10 @@ def parser() -> argparse.ArgumentParser:
                    help="ignore the learner's demand: after the quota, wait for a newer version or --quota-wait-s")
     p.add_argument("--split", default="train", choices=["train", "heldout", "all"],
                    help="which side of the stable task split to draw from (heldout: evaluation)")
-    p.add_argument("--init-checkpoint", default=None, help="NS:VERSION or NS:latest, loaded and verified at start")
+    p.add_argument("--init-checkpoint", default=None,
+                   help="NS:VERSION or NS:latest, loaded and verified at start; NS:V1,V2,... (with --no-follow and "
+                        "--episodes N): N episodes with each version in turn, the same tasks each (one start-up for an "
+                        "evaluation of several versions)")
     p.add_argument("--layers", type=int, default=4, help="layers of the small model (without --model-dir)")
     p.add_argument("--width", type=int, default=256, help="width of the small model (without --model-dir)")
     p.add_argument("--own-weights", action="store_true",

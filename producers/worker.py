@@ -28,7 +28,7 @@ from producers.policy.interface import PolicyBackend
 from producers.publishing import EventSink
 from producers.sandbox_runner import NoCodeRunner, SandboxCodeRunner
 from producers.settings import WorkerSettings
-from producers.tasks import Curriculum, TaskMixer
+from producers.tasks import Curriculum, TaskMixer, TaskSource
 from producers.tasks import environments
 from producers.tasks.reasoning_gym import expand
 from producers.tasks.sources import seeded_source
@@ -72,10 +72,13 @@ def context_limit(backend: PolicyBackend, default: int = 2048) -> int:
     return int(getattr(config, "max_position_embeddings", default) or default)
 
 
-def task_mixer(s: WorkerSettings) -> TaskMixer:
+def task_mixer(s: WorkerSettings, sources: Optional[Sequence[TaskSource]] = None) -> TaskMixer:
     """The tasks a worker with these settings draws, in its order: its sources' side of the split, seeded by its
-    --seed (an evaluation worker's held-out tasks are the first --episodes of them)."""
-    sources = [SplitSource(seeded_source(name, s.seed), s.split) for name in environments.expand(expand(list(s.sources)))]
+    --seed (an evaluation worker's held-out tasks are the first --episodes of them). Given the sources it made
+    before, the same draws again from the first."""
+    if sources is None:
+        sources = [SplitSource(seeded_source(name, s.seed), s.split)
+                   for name in environments.expand(expand(list(s.sources)))]
     curriculum = Curriculum(s.curriculum_min_attempts, 4 * s.curriculum_min_attempts, s.curriculum_probe) \
         if s.curriculum_min_attempts else None
     return TaskMixer(sources, s.weights or None, seed=s.seed, curriculum=curriculum)
@@ -111,8 +114,10 @@ class RolloutWorker:
         # made since have added to the batches topic says how many episodes a batch now takes.
         self.yield_mark: Optional[tuple[int, int]] = None
         self._stop = False
-        if settings.init_checkpoint:
-            self.load_initial(platform, settings.init_checkpoint)
+        self.platform = platform
+        self.episodes_goal = settings.episodes  # of the version it plays: one --episodes more per version in turn
+        if settings.init_checkpoints:
+            self.load_initial(platform, settings.init_checkpoints[0])
 
     def _backend(self) -> PolicyBackend:
         s = self.settings
@@ -126,8 +131,6 @@ class RolloutWorker:
     def load_initial(self, platform: Settings, spec: str) -> None:
         """Start from a published checkpoint (evaluation of a version, or a warm fleet restart)."""
         ns, _, version = spec.rpartition(":")
-        if not ns:
-            raise ConfigError(f"--init-checkpoint {spec!r}: write NS:VERSION or NS:latest")
         event = find_announcement(platform, Topics(ns), None if version == "latest" else int(version))
         ready = fetch_verified(self.store, event, broadcast=False)  # eval measures the weights themselves
         self.backend.load_weights(ready.weights, ready.version)
@@ -302,9 +305,9 @@ class RolloutWorker:
         self.window_start = now
 
     def remaining_prompts(self) -> int:
-        if self.settings.episodes is None:
+        if self.episodes_goal is None:
             return self.settings.prompts_per_step
-        return self.prompts_for(self.settings.episodes - self.stats.episodes)
+        return self.prompts_for(self.episodes_goal - self.stats.episodes)
 
     def quota_prompts(self) -> int:
         """The prompts left of the quota it holds: the last step before a wait makes what is left, not a whole
@@ -318,7 +321,26 @@ class RolloutWorker:
         return max(1, -(-episodes // self.settings.group_size))
 
     def done(self) -> bool:
-        return self._stop or (self.settings.episodes is not None and self.stats.episodes >= self.settings.episodes)
+        return self._stop or (self.episodes_goal is not None and self.stats.episodes >= self.episodes_goal)
+
+    def play_each_version(self) -> None:
+        """--init-checkpoint NS:V1,V2,...: --episodes with each version in turn, each drawing the same tasks in the
+        same order (a fresh mixer on the same sources and seed), in one process: an evaluation of several versions
+        starts Python, torch and the task split once."""
+        s = self.settings
+        assert s.episodes is not None  # the settings refuse several versions without --episodes
+        for turn, spec in enumerate(s.init_checkpoints):
+            if turn:
+                self.load_initial(self.platform, spec)
+                self.mixer = task_mixer(s, self.mixer.sources)
+                self.episodes_goal = (self.episodes_goal or 0) + s.episodes
+            started = time.monotonic()
+            while not self.done():
+                self.step()
+            if self._stop:
+                return
+            print(f"[{s.producer_id}] v{self.backend.version}: {s.episodes} episodes in "
+                  f"{time.monotonic() - started:.1f}s", file=sys.stderr, flush=True)
 
     def progress(self, s: StepSummary) -> None:
         rate = s.tokens / s.generate_s if s.generate_s else 0.0
@@ -361,6 +383,8 @@ class RolloutWorker:
         if self.settings.curriculum_min_attempts:
             self.task_feed.start()
         try:
+            if len(self.settings.init_checkpoints) > 1:
+                self.play_each_version()
             while not self.done():
                 self.step()
         finally:

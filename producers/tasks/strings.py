@@ -55,11 +55,15 @@ class StringReversalSource:
         rng = random.Random(f"reverse/{self.seed}/{index}")
         return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(self.min_len, self.max_len)))
 
+    def task_id(self, index: int) -> str:
+        """Task `index`'s id without making the task: the split reads every index's id when a worker starts."""
+        # The id is the word itself: the same word drawn twice is one task, on one side of the split.
+        return f"reverse/{self.word(index)}"
+
     def __getitem__(self, index: int) -> Task:
         if not 0 <= index < self.size:
             raise IndexError(f"reverse task index {index} out of range 0..{self.size - 1}")
         word = self.word(index)
         spec = make_spec("text", answer=word[::-1], source=f"builtin:{self.name}", seed=self.seed, index=index)
-        # The id is the word itself: the same word drawn twice is one task, on one side of the split.
         return Task(task_id=f"reverse/{word}", domain="text", prompt=f"reverse {word}:", spec=spec,
                     demonstration=word[::-1])

@@ -38,9 +38,12 @@ def test_evaluation_workers_side_by_side_report_every_version_and_mode_as_one_wo
     together, log = evaluate(stack, topics.ns, "--versions", "0,2", "--modes", "greedy,sampled", "--parallel", "3")
     assert [(r["version"], r["mode"], r["episodes"]) for r in together] == \
         [(0, "greedy", 8), (0, "sampled", 8), (2, "greedy", 8), (2, "sampled", 8)]  # three at once, then one
-    assert log.count("8 held-out episodes in") == 4
+    assert log.count("8 held-out episodes each in") == 4
     alone, _ = evaluate(stack, topics.ns, "--versions", "2", "--modes", "greedy", "--parallel", "1")
     # The same held-out tasks, decoded greedily by the same weights, whichever worker shared the cores.
     assert alone == [r for r in together if (r["version"], r["mode"]) == (2, "greedy")]
+    # One worker playing v0 then v2 (one start-up for both) measures each as a worker of its own did.
+    in_turn, log = evaluate(stack, topics.ns, "--versions", "0,2", "--modes", "greedy", "--parallel", "1")
+    assert in_turn == [r for r in together if r["mode"] == "greedy"] and "v0, v2 greedy" in log
     left = [t for t in admin(stack).list_topics(timeout=10).topics if t.startswith(f"{topics.ns}-eval-")]
     assert not left  # each evaluation's namespace is deleted

@@ -137,17 +137,25 @@ def test_the_demo_passes_its_curriculum_to_the_rollout_workers_only() -> None:
 
 
 def test_an_evaluation_worker_past_its_timeout_is_stopped_and_named() -> None:
-    """A held-out run that outlasts --timeout is an error that says what to raise, and its worker is killed
-    (left running, it went on generating on the machine's cores after the evaluation had failed)."""
+    """A held-out run that outlasts --timeout (a version each) is an error that says what to raise, and its workers
+    are killed (left running, they went on generating on the machine's cores after the evaluation had failed)."""
     evaluation = Evaluation.__new__(Evaluation)
-    evaluation.args = argparse.Namespace(timeout=0.5, episodes=16)
-    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    evaluation.args = argparse.Namespace(timeout=0.5, episodes=16, parallel=2)
+    started: list[subprocess.Popen[bytes]] = []
+
+    def spawn(module: str, *argv: str, threads: int | None = None) -> subprocess.Popen[bytes]:
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        return started[-1]
+
+    evaluation.spawn = spawn  # type: ignore[method-assign]
+    evaluation.worker = lambda ns, versions, mode: []  # type: ignore[method-assign]
     try:
-        with pytest.raises(PipelineError, match="raise --timeout"):
-            evaluation.finish(worker, 3, "greedy")
-        assert worker.poll() is not None
+        with pytest.raises(PipelineError, match=r"v3, v5 \(greedy\) did not finish 16 episodes a version.*raise --timeout"):
+            evaluation.play("ns", [("greedy", [3, 5]), ("sampled", [3, 5, 7])])
+        assert len(started) == 2 and all(p.poll() is not None for p in started)  # both stopped, the first at 1 s
     finally:
-        worker.kill()
+        for p in started:
+            p.kill()
 
 
 def test_a_demo_started_from_a_checkpoint_hands_it_to_the_learner() -> None:

@@ -20,7 +20,7 @@ def eval_worker_argv(monkeypatch: pytest.MonkeyPatch, mode: str, **overrides: ob
     run = Evaluation.__new__(Evaluation)
     run.args = argparse.Namespace(**{**vars(evaluation.parser().parse_args(["--ns", "demo"])), **overrides})
     run.store = None  # type: ignore[assignment]
-    return run.worker("demo-eval", 85, mode)
+    return run.worker("demo-eval", [85], mode)
 
 
 def drawn(argv: list[str]) -> list[str]:
@@ -74,3 +74,35 @@ def test_success_is_reported_per_task_source_when_an_evaluation_draws_from_sever
 def test_evaluation_workers_at_once_must_be_at_least_one(capsys: pytest.CaptureFixture[str]) -> None:
     assert evaluation.main(["--ns", "demo", "--parallel", "0"]) == 2
     assert "--parallel must be at least 1, got 0" in capsys.readouterr().err
+    assert evaluation.main(["--ns", "demo", "--prompts-per-step", "0"]) == 2
+    assert "--prompts-per-step must be at least 1, got 0" in capsys.readouterr().err
+    assert evaluation.main(["--ns", "demo", "--modes", "greedy,beam"]) == 2
+    assert "--modes 'greedy,beam': greedy, sampled or both" in capsys.readouterr().err
+
+
+def test_each_mode_s_versions_are_dealt_into_parallel_workers_that_play_them_in_turn(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker starts Python, torch and the task split once for its versions: 11 versions and modes in 4 workers,
+    where each took one of its own."""
+    run = Evaluation.__new__(Evaluation)
+    run.args = argparse.Namespace(parallel=2)
+    assert run.plan({"greedy": [0, 2, 4, 6, 18, 31, 44, 56], "sampled": [0, 6, 56]}) == [
+        ("greedy", [0, 4, 18, 44]), ("greedy", [2, 6, 31, 56]), ("sampled", [0, 56]), ("sampled", [6])]
+    argv = eval_worker_argv(monkeypatch, "sampled", group_size=4)
+    s = from_args(argv[:argv.index("--init-checkpoint") + 1] + ["demo:0,4,18"] + argv[argv.index("--init-checkpoint") + 2:])
+    assert s.init_checkpoints == ["demo:0", "demo:4", "demo:18"] and s.prompts_per_step * s.group_size == 32
+
+
+def test_several_checkpoints_in_turn_are_for_a_worker_that_plays_a_fixed_number_of_episodes() -> None:
+    from schemas.errors import ConfigError
+
+    base = ["--ns", "demo-eval", "--init-checkpoint", "demo:3,5"]
+    with pytest.raises(ConfigError, match="add --no-follow and --episodes N"):
+        from_args(base + ["--episodes", "8"])
+    with pytest.raises(ConfigError, match="add --no-follow and --episodes N"):
+        from_args(base + ["--no-follow"])
+    assert from_args(base + ["--no-follow", "--episodes", "8"]).init_checkpoints == ["demo:3", "demo:5"]
+    for bad in ("3,5", "demo:3,x", "demo:", "demo:3,,5"):
+        with pytest.raises(ConfigError, match="write NS:VERSION, NS:latest or NS:V1,V2"):
+            from_args(["--ns", "demo-eval", "--init-checkpoint", bad, "--no-follow", "--episodes", "8"])
+    assert from_args(["--ns", "x", "--init-checkpoint", "demo:latest"]).init_checkpoints == ["demo:latest"]
