@@ -324,7 +324,10 @@ def evaluate(run: Run, args: argparse.Namespace, manifests: dict[int, Checkpoint
         return []
     created = {v: m.created_ts for v, m in manifests.items()}
     final, sft = max(created), post_sft_version(manifests, args)
-    results = run_eval(run, args, curve_versions(final, sft, args.curve_points, args.keep_every), sorted({0, sft, final}))
+    greedy, sampled = curve_versions(final, sft, args.curve_points, args.keep_every), sorted({0, sft, final})
+    console.print(f"evaluating on {args.eval_episodes} held-out tasks: {', '.join(f'v{v}' for v in greedy)} greedy, "
+                  f"{', '.join(f'v{v}' for v in sampled)} sampled…")
+    results = run_eval(run, args, greedy, sampled)
     for r in results:
         r["seconds"] = (created[r["version"]] - created[0]) / 1000
         r["phase"] = "initial" if r["version"] == 0 else "sft" if r["version"] <= sft else "rl"
@@ -554,7 +557,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     run.supervisor.start_due(lambda s: s.when == "start")
     how = supervise(run, args.minutes)
     shutdown(run)
-    console.print("evaluating the first and the last checkpoint on held-out tasks…")
     manifests = announced_versions(run)
     results = evaluate(run, args, manifests)
     minutes = (time.monotonic() - run.started) / 60  # the servers were up when the run started

@@ -18,10 +18,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import IO, Optional
 
 from infra.bootstrap import bootstrap, delete_topics
 from infra.kafka import end_offsets, read_topic
@@ -30,7 +31,7 @@ from infra.settings import Settings, add_ns_argument
 from learner import checkpoint_store
 from learner.batching import task_source
 from schemas.codec import codec
-from schemas.errors import CheckpointError, PipelineError
+from schemas.errors import CheckpointError, ConfigError, PipelineError
 from schemas.manifests import CheckpointManifest
 from schemas.records import Trajectory
 from schemas.topics import Topics
@@ -113,7 +114,13 @@ def resolve_versions(settings: Settings, topics: Topics, wanted: str) -> list[in
         raise CheckpointError(f"{topics.checkpoints} has no checkpoint to evaluate")
     out = []
     for part in filter(None, (p.strip() for p in wanted.split(","))):
+        if part not in ("latest", "first") and not part.isdigit():
+            raise ConfigError(f"--versions {wanted!r}: write version numbers, 'first' or 'latest', comma-separated")
         out.append(announced[-1] if part == "latest" else announced[0] if part == "first" else int(part))
+    missing = [v for v in out if v not in announced]
+    if missing:
+        raise CheckpointError(f"{topics.checkpoints} announced no {', '.join(f'v{v}' for v in missing)} (it announced "
+                              f"{len(announced)}: v{announced[0]}..v{announced[-1]})")
     return list(dict.fromkeys(out))
 
 
@@ -136,11 +143,20 @@ class Worker:
     mode: str
     versions: list[int]
     proc: subprocess.Popen[bytes]
+    log: Optional[IO[bytes]] = None  # its output, unless --verbose let it through
     started: float = field(default_factory=time.monotonic)
 
     @property
     def name(self) -> str:
         return ", ".join(f"v{v}" for v in self.versions)
+
+    def last_words(self, limit: int = 1500) -> str:
+        """The end of its output: why it failed, in its own words."""
+        if self.log is None:
+            return ""
+        self.log.seek(0)
+        text = self.log.read().decode(errors="replace").strip()
+        return f"; its last output:\n{text[-limit:]}" if text else ""
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -153,10 +169,13 @@ class Evaluation:
         self.store = ObjectStore(settings)
         self.env = {**os.environ, **settings.as_env()}
 
-    def spawn(self, module: str, *argv: str, threads: Optional[int] = None) -> subprocess.Popen[bytes]:
-        log = open(os.devnull, "wb") if not self.args.verbose else None
+    def spawn(self, module: str, *argv: str, threads: Optional[int] = None,
+              log: Optional[IO[bytes]] = None) -> subprocess.Popen[bytes]:
+        """A process of the pipeline; its output goes to `log` (default: nowhere), or to this terminal with
+        --verbose."""
+        out: Optional[IO[bytes]] = None if self.args.verbose else log or open(os.devnull, "wb")
         env = self.env if threads is None else {**self.env, "OMP_NUM_THREADS": str(threads)}
-        return subprocess.Popen([sys.executable, "-m", module, *argv], env=env, stdout=log, stderr=log)
+        return subprocess.Popen([sys.executable, "-m", module, *argv], env=env, stdout=out, stderr=out)
 
     def worker(self, ns: str, versions: list[int], mode: str) -> list[str]:
         """A rollout worker's flags to play the held-out tasks with each of `versions` in turn, in one mode."""
@@ -205,8 +224,9 @@ class Evaluation:
             while queue or running:
                 while queue and len(running) < at_once:
                     mode, versions = queue.pop(0)
+                    log = tempfile.TemporaryFile()
                     running.append(Worker(mode, versions, self.spawn("producers", *self.worker(ns, versions, mode),
-                                                                     threads=threads)))
+                                                                     threads=threads, log=log), log))
                 done = next((w for w in running if w.proc.poll() is not None), None)
                 if done is None:
                     for w in running:
@@ -216,7 +236,10 @@ class Evaluation:
                     continue
                 running.remove(done)
                 if done.proc.returncode != 0:
-                    raise PipelineError(f"the evaluation worker for {done.name} ({done.mode}) failed")
+                    raise PipelineError(f"the evaluation worker for {done.name} ({done.mode}) failed with exit code "
+                                        f"{done.proc.returncode}{done.last_words()}")
+                if done.log is not None:
+                    done.log.close()
                 print(f"{done.name} {done.mode}: {self.args.episodes} held-out episodes each in {done.elapsed():.0f}s",
                       file=sys.stderr, flush=True)
         finally:
@@ -231,7 +254,8 @@ class Evaluation:
         w.proc.wait()
         raise PipelineError(f"the evaluation worker for {w.name} ({w.mode}) did not finish {self.args.episodes} "
                             f"episodes a version within --timeout {self.args.timeout:.0f} s and was stopped: raise "
-                            "--timeout (a pretrained model's multi-turn episodes take minutes on a CPU)")
+                            "--timeout (a pretrained model's multi-turn episodes take minutes on a CPU)"
+                            f"{w.last_words()}")
 
     @staticmethod
     def of(t: Trajectory, version: int, mode: str) -> bool:

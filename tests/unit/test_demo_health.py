@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -143,7 +144,7 @@ def test_an_evaluation_worker_past_its_timeout_is_stopped_and_named() -> None:
     evaluation.args = argparse.Namespace(timeout=0.5, episodes=16, parallel=2)
     started: list[subprocess.Popen[bytes]] = []
 
-    def spawn(module: str, *argv: str, threads: int | None = None) -> subprocess.Popen[bytes]:
+    def spawn(module: str, *argv: str, **_: object) -> subprocess.Popen[bytes]:
         started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
         return started[-1]
 
@@ -156,6 +157,17 @@ def test_an_evaluation_worker_past_its_timeout_is_stopped_and_named() -> None:
     finally:
         for p in started:
             p.kill()
+
+
+def test_an_evaluation_worker_that_fails_says_why_in_its_own_words() -> None:
+    """Its output went nowhere: a failed evaluation said only which worker failed, never why."""
+    evaluation = Evaluation.__new__(Evaluation)
+    evaluation.args = argparse.Namespace(timeout=120, episodes=16, parallel=1, verbose=False)
+    evaluation.env = dict(os.environ)
+    evaluation.worker = lambda ns, versions, mode: ["--ns", ns, "--init-checkpoint", "run:7,8"]  # type: ignore
+    with pytest.raises(PipelineError, match=r"v7, v8 \(greedy\) failed with exit code 2; its last output:\n(.|\n)*"
+                                            r"error: --init-checkpoint with several versions .* add --no-follow"):
+        evaluation.play("ns", [("greedy", [7, 8])])
 
 
 def test_a_demo_started_from_a_checkpoint_hands_it_to_the_learner() -> None:
