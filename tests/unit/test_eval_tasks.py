@@ -74,8 +74,8 @@ def test_success_is_reported_per_task_source_when_an_evaluation_draws_from_sever
 def test_evaluation_workers_at_once_must_be_at_least_one(capsys: pytest.CaptureFixture[str]) -> None:
     assert evaluation.main(["--ns", "demo", "--parallel", "0"]) == 2
     assert "--parallel must be at least 1, got 0" in capsys.readouterr().err
-    assert evaluation.main(["--ns", "demo", "--prompts-per-step", "0"]) == 2
-    assert "--prompts-per-step must be at least 1, got 0" in capsys.readouterr().err
+    assert evaluation.main(["--ns", "demo", "--episodes-per-step", "0"]) == 2
+    assert "--episodes-per-step must be at least 1, got 0" in capsys.readouterr().err
     assert evaluation.main(["--ns", "demo", "--modes", "greedy,beam"]) == 2
     assert "--modes 'greedy,beam': greedy, sampled or both" in capsys.readouterr().err
 
