@@ -108,6 +108,11 @@ def summarise(version: int, mode: str, trajectories: list[Trajectory]) -> EvalRe
                       reward_mean=sum(t.reward for t in trajectories) * share, by_source=dict(sorted(by_source.items())))
 
 
+def named(versions: list[int]) -> str:
+    """[0, 7] -> 'v0, v7'."""
+    return ", ".join(f"v{v}" for v in versions)
+
+
 def resolve_versions(settings: Settings, topics: Topics, wanted: str) -> list[int]:
     announced = sorted({e.version for e in checkpoint_store.published(settings, topics)})
     if not announced:
@@ -119,7 +124,7 @@ def resolve_versions(settings: Settings, topics: Topics, wanted: str) -> list[in
         out.append(announced[-1] if part == "latest" else announced[0] if part == "first" else int(part))
     missing = [v for v in out if v not in announced]
     if missing:
-        raise CheckpointError(f"{topics.checkpoints} announced no {', '.join(f'v{v}' for v in missing)} (it announced "
+        raise CheckpointError(f"{topics.checkpoints} announced no {named(missing)} (it announced "
                               f"{len(announced)}: v{announced[0]}..v{announced[-1]})")
     return list(dict.fromkeys(out))
 
@@ -148,7 +153,7 @@ class Worker:
 
     @property
     def name(self) -> str:
-        return ", ".join(f"v{v}" for v in self.versions)
+        return named(self.versions)
 
     def last_words(self, limit: int = 1500) -> str:
         """The end of its output: why it failed, in its own words."""
@@ -181,9 +186,10 @@ class Evaluation:
         """A rollout worker's flags to play the held-out tasks with each of `versions` in turn, in one mode."""
         a = self.args
         greedy = mode == "greedy"
+        group = 1 if greedy else a.group_size
         return ["--ns", ns, "--init-checkpoint", f"{a.ns}:{','.join(map(str, versions))}", "--split", "heldout",
-                "--sources", a.sources, "--episodes", str(a.episodes), "--group-size", "1" if greedy else str(a.group_size),
-                "--prompts-per-step", str(max(1, a.episodes_per_step // (1 if greedy else a.group_size))),
+                "--sources", a.sources, "--episodes", str(a.episodes), "--group-size", str(group),
+                "--prompts-per-step", str(max(1, a.episodes_per_step // group)),
                 "--no-follow", "--max-new-tokens", str(a.max_new_tokens), "--temperature",
                 "0" if greedy else str(a.temperature), "--seed", str(a.seed),
                 "--producer-id", f"eval-{mode}-v{'-'.join(map(str, versions))}", *model_args(self.store, a.ns, versions[0])]

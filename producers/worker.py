@@ -333,7 +333,7 @@ class RolloutWorker:
             if turn:
                 self.load_initial(self.platform, spec)
                 self.mixer = task_mixer(s, self.mixer.sources)
-                self.episodes_goal = (self.episodes_goal or 0) + s.episodes
+                self.episodes_goal = s.episodes * (turn + 1)
             started = time.monotonic()
             while not self.done():
                 self.step()
