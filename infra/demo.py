@@ -57,6 +57,13 @@ GOAL_MINUTES = 12  # a demo with an SFT phase, from the servers up to its held-o
 # SFT_UNTIL_MATCH of every length's demonstrations it has not trained on yet (learner --sft-until-match: the
 # weakest source decides), after SFT_MOST updates at most.
 SOURCES = "reverse-3,reverse-4,reverse-5,reverse-6"
+# The demonstrations' share per word length (the teacher's --weights; the rollout workers draw every length alike).
+# With every length alike, the shorter words were often mostly solved by the time the 6-letter ones were seeded, and
+# a phase that waits for the 6-letter ones then ended at 0.785-0.863 held-out, leaving the RL phase no room for +0.2 (runs O,
+# R, X, Z). The SFT phase alone in process (`bench_learning.py --sft-weights ';reverse-6=2' --seeds 12`): alike, it
+# ended at 0.701 held-out greedy on average (0.590-0.812, 2 of 12 at 0.77 or more) after 119 updates; with twice
+# the 6-letter words at 0.666 (0.574-0.730, none at 0.77) after 123, every length at 0.17 or more.
+DEMONSTRATION_WEIGHTS = "reverse-3=1,reverse-4=1,reverse-5=1,reverse-6=2"
 SFT_UPDATES = 115
 SFT_UNTIL_MATCH = 0.2
 SFT_MOST = 160
@@ -106,6 +113,26 @@ def quota(args: argparse.Namespace) -> int:
     return max(args.group_size, per_version - per_version % args.group_size)
 
 
+def demonstration_weights(args: argparse.Namespace) -> str:
+    """The teacher's --weights: --demonstration-weights, else DEMONSTRATION_WEIGHTS for the default sources (other
+    sources: every one alike)."""
+    if args.demonstration_weights is not None:
+        return str(args.demonstration_weights)
+    return DEMONSTRATION_WEIGHTS if args.sources == SOURCES else ""
+
+
+def bad_weights(text: str) -> str:
+    """What is wrong with a --weights list (NAME=NUMBER,...; numbers not negative, one positive), or ''."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    try:
+        weights = [float(item.split("=", 1)[1]) for item in items]
+    except (IndexError, ValueError):
+        return "write NAME=NUMBER[,NAME=NUMBER], e.g. reverse-6=2"
+    if any(w < 0 for w in weights) or (weights and not any(w > 0 for w in weights)):
+        return "weights are shares: none negative, one at least positive"
+    return ""
+
+
 def warmup_updates(args: argparse.Namespace) -> int:
     """The learner's warmup: --warmup-updates, else a tenth of the SFT phase (0 without one). Measured on the
     demo task in process (3 data orders each): 260 SFT updates at lr 1e-3 from a fresh Adam ended at held-out
@@ -142,8 +169,10 @@ def plan(args: argparse.Namespace, ns: str) -> list[Service]:
                        when="rl" if args.sft_updates else "start")  # no SFT phase: RL from v0 on
                for i in range(args.workers)]
     demonstrations = args.sft_updates * args.batch_trajectories
+    weights = demonstration_weights(args)
     teacher = [Service("demonstrations", ["producers", "--ns", ns, "--sources", args.sources, "--demonstrations",
-                                          str(demonstrations), "--producer-id", "demonstrations", *model],
+                                          str(demonstrations), "--producer-id", "demonstrations",
+                                          *(["--weights", weights] if weights else []), *model],
                        oneshot=True)] if demonstrations else []
     return [
         Service("streams", ["streams", "--ns", ns]),
@@ -415,6 +444,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sources", default=SOURCES,
                    help="task sources (default: 3- to 6-letter reversals, one source per length, so that success is "
                         "reported per length and the SFT phase ends when the hardest one is seeded)")
+    p.add_argument("--demonstration-weights", default=None, metavar="NAME=W,...",
+                   help="the demonstrations' share per task source, e.g. reverse-3=1,reverse-6=2 (default: twice the "
+                        "6-letter words for the default sources, every source alike for others; '' for alike)")
     p.add_argument("--init", default=None, metavar="RUN:vK",
                    help="start from that checkpoint's weights (verified) as this run's v0, e.g. a finished demo's "
                         "last version; with --sft-updates 0 the rollout workers start at once")
@@ -545,6 +577,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = apply_preset(cli.parse_args(argv), argv)
     if args.init_moments and args.init is None:
         cli.error("--init-moments carries the moments of --init's checkpoint: give --init RUN:vK too")
+    if bad_weights(demonstration_weights(args)):
+        cli.error(f"--demonstration-weights {args.demonstration_weights!r}: {bad_weights(args.demonstration_weights)}")
     args.monitor_port = free_port(args.monitor_port)
     prepare_model(args)
     console.print("starting Kafka and MinIO (fetched once into the cache dir)…")

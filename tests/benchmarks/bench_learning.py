@@ -4,6 +4,7 @@ number of trajectories: held-out greedy success at equal trajectories and at equ
     python tests/benchmarks/bench_learning.py [--sft-updates 115 --rl-updates 80]   # ~25 minutes on 2 cores
     python tests/benchmarks/bench_learning.py --init RUN:v5 --repeats 3             # the RL phase only, ~35 minutes
     python tests/benchmarks/bench_learning.py --sft-lengths 100,115 --seeds 6       # the loop alone, ~55 minutes
+    python tests/benchmarks/bench_learning.py --sft-weights ';reverse-6=2' --seeds 6  # the demo's SFT phase, ~20 min
 
 The pipeline side is the demo (`python -m infra demo`, every service a process, evaluation through the
 pipeline). The synchronous side calls the same code in turn in one process: demonstrations -> assembly ->
@@ -21,6 +22,12 @@ runs/bench/learning_rl.png.
 With --sft-lengths the synchronous loop runs alone, once per SFT length and data order: how often each length
 meets the demo's two learning goals (final greedy success >= 0.8, RL gain >= +0.2 over post-SFT), which pull
 the SFT phase's length in opposite directions.
+
+With --sft-weights the demo's SFT phase runs alone in process, once per demonstration mix and data order: the
+demo's four word lengths drawn by those weights (';'-separated mixes, each the teacher's --weights, unnamed default
+sources weighing 1; an empty mix draws every length alike), ended by the demo's rule (--sft-until-match), then
+held-out greedy success per word length. What it shows: where each mix ends the phase, and how often it leaves the
+RL phase room for its +0.2 (post-SFT at most 1 - 0.2).
 """
 from __future__ import annotations
 
@@ -40,20 +47,21 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from infra.demo import GOAL_FINAL, GOAL_RL_GAIN, SFT_UPDATES, sft_version  # noqa: E402
+from infra.demo import GOAL_FINAL, GOAL_RL_GAIN, SFT_MOST, SFT_UNTIL_MATCH, SFT_UPDATES, SOURCES, sft_version  # noqa: E402
 from infra.settings import Settings  # noqa: E402
 from infra.objectstore import ObjectStore  # noqa: E402
 from learner import checkpoint_store  # noqa: E402
 from learner.checkpoint_files import CheckpointState, load_model_tensors, read_checkpoint, unflatten_optimizer_state  # noqa: E402
 from learner.eval import EVAL_SEED, wilson  # noqa: E402
 from learner.model import build_policy  # noqa: E402
-from learner.settings import parse_init  # noqa: E402
+from learner.service import pooled_matches, source_matches, weakest_source  # noqa: E402
+from learner.settings import SFT_MATCH_WINDOW, parse_init  # noqa: E402
 from learner.update import TrainConfig, Trainer  # noqa: E402
 from producers.demonstrations import demonstration_events  # noqa: E402
 from producers.episodes import EpisodeRunner  # noqa: E402
 from producers.policy import make_backend  # noqa: E402
 from producers.policy.interface import Sampling  # noqa: E402
-from producers.settings import WorkerSettings  # noqa: E402
+from producers.settings import WorkerSettings, parse_weights  # noqa: E402
 from producers.tasks.task import Task  # noqa: E402
 from producers.worker import task_mixer  # noqa: E402
 from producers.tasks import load_source  # noqa: E402
@@ -368,6 +376,89 @@ def sft_lengths(args: argparse.Namespace, started: float) -> None:
            f"1..{args.seeds}", figures, started, command="bench_learning.py --sft-lengths A,B")
 
 
+def mix_weights(text: str) -> dict[str, float]:
+    """A --sft-weights mix as the teacher's --weights: the named sources' weights, every other default source 1."""
+    named = parse_weights(text)
+    unknown = sorted(set(named) - set(SOURCES.split(",")))
+    if unknown:
+        raise SystemExit(f"--sft-weights {text!r}: {', '.join(unknown)} is not one of the demo's sources {SOURCES}")
+    return {name: named.get(name, 1.0) for name in SOURCES.split(",")}
+
+
+def sft_phase(weights: str, seed: int, args: argparse.Namespace) -> dict[str, object]:
+    """The demo's SFT phase in process, with data order `seed` and the demonstrations drawn by `weights`: ended once
+    every word length's greedy match over the latest updates reaches --sft-until-match, or after SFT_MOST; then
+    held-out greedy success, in all and per word length."""
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(seed)
+    sources = tuple(SOURCES.split(","))
+    policy = build_policy(layers=LAYERS, width=WIDTH, seed=0)
+    backend = make_backend("transformers", None, seed=seed, config=tiny_llama_config(layers=LAYERS, width=WIDTH))
+    teacher = task_mixer(WorkerSettings(ns="sync", producer_id="demonstrations", sources=sources,
+                                        weights=mix_weights(weights), seed=seed))
+    drawn = task_mixer(WorkerSettings(ns="eval", producer_id="eval", sources=sources, split="heldout", seed=EVAL_SEED))
+    heldout = [drawn.next() for _ in range(args.eval_episodes)]
+    scorer = Scorer.load("default", "1")
+    trainer = Trainer(policy, TrainConfig(algorithm="sft", lr=args.sft_lr))
+    warmup = SFT_UPDATES // 10 if args.warmup_updates is None else args.warmup_updates  # as the demo's
+    window: list[dict[str, list[float]]] = []
+    started = time.perf_counter()
+    for update in range(1, SFT_MOST + 1):
+        trainer.set_lr(args.sft_lr * min(1.0, update / warmup) if warmup else args.sft_lr)
+        demos = [e for _ in range(BATCH)
+                 for e in demonstration_events(teacher.next(), backend.tokenizer, "sync", "demonstrations")]
+        metrics = trainer.step(score_events(demos, scorer), current_version=0)
+        window = [*window, source_matches(metrics)][-SFT_MATCH_WINDOW:]
+        weakest = weakest_source(pooled_matches(window))
+        if len(window) == SFT_MATCH_WINDOW and weakest is not None and weakest[1] >= args.sft_until_match:
+            break
+    backend.load_weights(dict(policy.state_dict()), 1)
+    gens = backend.generate([t.prompt for t in heldout], 1, Sampling(temperature=0.0, max_new_tokens=NEW_TOKENS))
+    by_length: dict[int, list[int]] = {}
+    for g, task in zip(gens, heldout):
+        tally = by_length.setdefault(len(task.spec["answer"]), [0, 0])
+        tally[0] += g[0].text.strip().split("\n")[0].strip() == task.spec["answer"]
+        tally[1] += 1
+    wins = sum(w for w, _ in by_length.values())
+    return {"updates": update, "post_sft": wins / len(heldout), "seconds": time.perf_counter() - started,
+            "by_length": {n: w / k for n, (w, k) in sorted(by_length.items())}}
+
+
+def sft_weights(args: argparse.Namespace, started: float) -> None:
+    """Each demonstration mix of --sft-weights over data orders 0..--seeds - 1, taking turns: where the demo's SFT
+    phase ends and how much room it leaves the RL phase."""
+    mixes = args.sft_weights.split(";")
+    runs: dict[str, list[dict[str, object]]] = {m: [] for m in mixes}
+    for seed in range(args.seeds):
+        for mix in mixes:
+            r = sft_phase(mix, seed, args)
+            runs[mix].append(r)
+            lengths = " / ".join(f"{v:.2f}" for v in r["by_length"].values())  # type: ignore[attr-defined]
+            print(f"seed {seed}, demonstrations {mix or 'alike'}: SFT ends after {r['updates']} updates, held-out "
+                  f"greedy {r['post_sft']:.3f} (by length {lengths}), {r['seconds']:.0f} s", flush=True)
+    room = 1 - GOAL_RL_GAIN
+    figures: list[Figure] = []
+    for mix, rs in runs.items():
+        posts = [float(r["post_sft"]) for r in rs]  # type: ignore[arg-type]
+        ends = [float(r["updates"]) for r in rs]  # type: ignore[arg-type]
+        m, lo, hi = mean_ci(posts)
+        roomy = sum(p <= room for p in posts)
+        name = mix or "every length alike"
+        print(f"{name}: post-SFT {m:.3f} [{lo:.3f}, {hi:.3f}], max {max(posts):.3f}; {roomy}/{len(rs)} at or under "
+              f"{room:.1f}; SFT updates {mean_ci(ends)[0]:.0f} ({', '.join(f'{e:.0f}' for e in ends)})")
+        figures += [
+            Figure(f"demonstrations {name}: post-SFT held-out greedy success, mean of {len(rs)} data orders", m,
+                   f"[{lo:.3f}, {hi:.3f}] (runs {', '.join(f'{p:.3f}' for p in posts)})"),
+            Figure(f"demonstrations {name}: runs leaving the RL phase room for +{GOAL_RL_GAIN}", roomy / len(rs),
+                   f"of {len(rs)} (post-SFT at most {room:.1f})"),
+            Figure(f"demonstrations {name}: SFT updates, mean", mean_ci(ends)[0],
+                   f"updates (runs {', '.join(f'{e:.0f}' for e in ends)})")]
+    record("bench_learning_sft_weights", f"the demo's SFT phase in process: {'/'.join(SOURCES.split(','))} "
+           f"demonstrations by each mix ({' vs '.join(m or 'alike' for m in mixes)}), {BATCH} an update, ended at "
+           f"{args.sft_until_match} of every length (at most {SFT_MOST} updates), data orders 0..{args.seeds - 1}",
+           figures, started, command="bench_learning.py --sft-weights A;B")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sft-updates", type=int, default=SFT_UPDATES, help="as the demo")
@@ -388,13 +479,20 @@ def main() -> None:
     p.add_argument("--sft-lengths", type=lambda t: [int(x) for x in t.split(",")], default=None, metavar="A,B",
                    help="the synchronous loop alone, once per SFT length and data order: which length meets the "
                         "demo's learning goals more often")
-    p.add_argument("--seeds", type=int, default=6, help="with --sft-lengths: data orders")
+    p.add_argument("--seeds", type=int, default=6, help="with --sft-lengths or --sft-weights: data orders")
+    p.add_argument("--sft-weights", default=None, metavar="A;B",
+                   help="the demo's SFT phase alone, once per demonstration mix (';'-separated teacher --weights, "
+                        "e.g. ';reverse-6=2': alike vs twice the 6-letter words) and data order")
+    p.add_argument("--sft-until-match", type=float, default=SFT_UNTIL_MATCH, help="with --sft-weights: as the demo")
+    p.add_argument("--threads", type=int, default=2, help="with --sft-weights: torch threads")
     args = p.parse_args()
     started = time.monotonic()
     if args.init:
         args.sft_updates = 0
     if args.sft_lengths and not args.init:
         return sft_lengths(args, started)
+    if args.sft_weights is not None:
+        return sft_weights(args, started)
     if args.warmup_updates is None:
         args.warmup_updates = args.sft_updates // 10
     if args.init:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.demo import PRESETS, apply_preset, free_port, goals, curve_versions, healthy, parser, plan, sft_version
+from infra.demo import PRESETS, apply_preset, free_port, goals, curve_versions, healthy, main, parser, plan, sft_version
 from learner.eval import Evaluation, wilson
 from schemas.errors import PipelineError
 
@@ -251,3 +251,36 @@ def test_a_demo_with_an_sft_phase_says_its_time_against_the_goal_and_a_pretraine
     assert "NOT met" in time_goal(GOAL_MINUTES + 0.1, args)[0]
     pretrained = apply_preset(parser().parse_args(["--preset", "smollm2"]), ["--preset", "smollm2"])
     assert time_goal(30.0, pretrained) == []  # judged by its minutes of training (goals)
+
+
+def test_the_demo_draws_twice_the_6_letter_demonstrations_and_the_rollouts_alike() -> None:
+    from collections import Counter
+
+    from infra.demo import DEMONSTRATION_WEIGHTS, SOURCES
+    from producers.settings import WorkerSettings, parse_weights
+    from producers.worker import task_mixer
+
+    def argvs(argv: list[str]) -> dict[str, list[str]]:
+        return {s.name: s.argv for s in plan(apply_preset(parser().parse_args(argv), argv), "ns")}
+
+    default = argvs([])
+    teacher = default["demonstrations"]
+    assert teacher[teacher.index("--weights") + 1] == DEMONSTRATION_WEIGHTS
+    assert "--weights" not in default["producer-0"]  # rollouts: every length alike, the curriculum retires them
+    assert "--weights" not in argvs(["--sources", "reverse"])["demonstrations"]  # the mix names the default's sources
+    assert "--weights" not in argvs(["--demonstration-weights", ""])["demonstrations"]
+    mine = argvs(["--demonstration-weights", "reverse-5=3"])["demonstrations"]
+    assert mine[mine.index("--weights") + 1] == "reverse-5=3"
+    # what the teacher then draws: two of every five demonstrations a 6-letter word
+    mixer = task_mixer(WorkerSettings(ns="ns", producer_id="demonstrations", sources=tuple(SOURCES.split(",")),
+                                      weights=parse_weights(DEMONSTRATION_WEIGHTS)))
+    drawn = Counter(len(mixer.next().spec["answer"]) for _ in range(2000))
+    assert 0.36 < drawn[6] / 2000 < 0.44 and all(0.16 < drawn[n] / 2000 < 0.24 for n in (3, 4, 5))
+
+
+def test_a_malformed_demonstration_mix_is_refused_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    for bad, why in (("reverse-6", "write NAME=NUMBER"), ("reverse-6=x", "write NAME=NUMBER"),
+                     ("reverse-6=-1", "none negative"), ("reverse-3=0,reverse-6=0", "one at least positive")):
+        with pytest.raises(SystemExit) as stopped:
+            main(["--demonstration-weights", bad])
+        assert stopped.value.code == 2 and why in capsys.readouterr().err
