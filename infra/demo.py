@@ -36,10 +36,10 @@ from infra.curves import plot_learning_curve
 from infra.kafka import end_offsets, read_topic
 from infra.launcher import Launcher
 from infra.objectstore import ObjectStore
-from infra.settings import NS_VAR, Settings
+from infra.settings import NS_VAR, Settings, parse_weights
 from infra.supervisor import Service, Supervisor
 from schemas.codec import codec
-from schemas.errors import DecodeError
+from schemas.errors import ConfigError, DecodeError
 from schemas.keys import checkpoint_prefix
 from schemas.manifests import LEARNER_FINISHED_LINE, CheckpointManifest
 from schemas.records import CheckpointPublished
@@ -122,11 +122,10 @@ def demonstration_weights(args: argparse.Namespace) -> str:
 
 
 def bad_weights(text: str) -> str:
-    """What is wrong with a --weights list (NAME=NUMBER,...; numbers not negative, one positive), or ''."""
-    items = [item.strip() for item in text.split(",") if item.strip()]
+    """What is wrong with a --weights list (`parse_weights`; numbers not negative, one positive), or ''."""
     try:
-        weights = [float(item.split("=", 1)[1]) for item in items]
-    except (IndexError, ValueError):
+        weights = list(parse_weights(text).values())
+    except ConfigError:
         return "write NAME=NUMBER[,NAME=NUMBER], e.g. reverse-6=2"
     if any(w < 0 for w in weights) or (weights and not any(w > 0 for w in weights)):
         return "weights are shares: none negative, one at least positive"
@@ -577,8 +576,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = apply_preset(cli.parse_args(argv), argv)
     if args.init_moments and args.init is None:
         cli.error("--init-moments carries the moments of --init's checkpoint: give --init RUN:vK too")
-    if bad_weights(demonstration_weights(args)):
-        cli.error(f"--demonstration-weights {args.demonstration_weights!r}: {bad_weights(args.demonstration_weights)}")
+    wrong = bad_weights(demonstration_weights(args))
+    if wrong:
+        cli.error(f"--demonstration-weights {args.demonstration_weights!r}: {wrong}")
     args.monitor_port = free_port(args.monitor_port)
     prepare_model(args)
     console.print("starting Kafka and MinIO (fetched once into the cache dir)…")

@@ -115,6 +115,18 @@ class Settings:
 NS_VAR = "TRAJPIPE_NS"
 
 
+def parse_weights(text: str) -> dict[str, float]:
+    """'code=1,math=2' -> {'code': 1.0, 'math': 2.0}."""
+    out: dict[str, float] = {}
+    for part in filter(None, text.split(",")):
+        name, _, value = part.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise ConfigError(f"--weights {text!r}: write NAME=NUMBER[,NAME=NUMBER]") from None
+    return out
+
+
 def add_ns_argument(parser: Any, flag: str = "--ns", help: str = "run namespace (topics <ns>.*)",
                     env: Optional[Mapping[str, str]] = None) -> None:
     """`--ns` (or `flag`) defaulting to $TRAJPIPE_NS, and required when that is unset."""

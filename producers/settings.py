@@ -7,7 +7,7 @@ import socket
 from dataclasses import dataclass, field
 
 from infra.models import resolve_model
-from infra.settings import add_ns_argument
+from infra.settings import add_ns_argument, parse_weights
 from schemas.errors import ConfigError
 from schemas.topics import Topics
 
@@ -102,18 +102,6 @@ class WorkerSettings:
             raise ConfigError(f"--init-checkpoint {self.init_checkpoint!r}: write NS:VERSION, NS:latest or "
                               "NS:V1,V2,... (evaluation, each in turn)")
         return [f"{ns}:{v}" for v in parts]
-
-
-def parse_weights(text: str) -> dict[str, float]:
-    """'code=1,math=2' -> {'code': 1.0, 'math': 2.0}."""
-    out: dict[str, float] = {}
-    for part in filter(None, text.split(",")):
-        name, _, value = part.partition("=")
-        try:
-            out[name.strip()] = float(value)
-        except ValueError:
-            raise ConfigError(f"--weights {text!r}: write NAME=NUMBER[,NAME=NUMBER]") from None
-    return out
 
 
 def parser() -> argparse.ArgumentParser:

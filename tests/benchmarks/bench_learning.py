@@ -61,7 +61,8 @@ from producers.demonstrations import demonstration_events  # noqa: E402
 from producers.episodes import EpisodeRunner  # noqa: E402
 from producers.policy import make_backend  # noqa: E402
 from producers.policy.interface import Sampling  # noqa: E402
-from producers.settings import WorkerSettings, parse_weights  # noqa: E402
+from infra.settings import parse_weights  # noqa: E402
+from producers.settings import WorkerSettings  # noqa: E402
 from producers.tasks.task import Task  # noqa: E402
 from producers.worker import task_mixer  # noqa: E402
 from producers.tasks import load_source  # noqa: E402
