@@ -39,6 +39,10 @@ from schemas.models import tiny_llama_config
 from schemas.topics import Topics
 
 log = logging.getLogger(__name__)
+# A worker with quota left pauses while the batches topic holds the learner's next this-many versions: the one
+# it trains now and the one after, which the rollouts made meanwhile fill (each at most 2 versions old then).
+QUEUED_VERSIONS = 2
+QUEUE_POLL_S = 0.5  # how often a paused worker asks the broker again
 
 
 @dataclass
@@ -52,6 +56,7 @@ class WorkerStats:
     paused_s: float = 0.0
     quota_waits: int = 0  # times its quota was used up and it waited for a newer version
     demand_steps: int = 0  # of those waits, the ones it ended with another step because the learner was short
+    queue_waits: int = 0  # times it waited with quota left: the learner already held its next versions' batches
     versions_loaded: list[int] = field(default_factory=list)
     checkpoint_bytes: int = 0  # weights downloaded to follow the learner (half with its --broadcast-bf16)
     # (version, seconds from its announcement to this worker generating with it), not yet published
@@ -207,7 +212,10 @@ class RolloutWorker:
         once most groups teach nothing (all right) and are dropped upstream, a quota no longer fills an update
         and the worker waited for a version the learner could not make.
         """
-        if self.settings.max_episodes_per_version is None or self.credit > 0:
+        if self.settings.max_episodes_per_version is None:
+            return
+        if self.credit > 0:
+            self.wait_for_queue()
             return
         started, version = time.monotonic(), self.backend.version
         self.stats.quota_waits += 1
@@ -223,6 +231,37 @@ class RolloutWorker:
                 break
             self.maybe_load_checkpoint()
             time.sleep(0.2)
+        self.stats.paused_s += time.monotonic() - started
+
+    def learner_queue_full(self) -> bool:
+        """True while the batches topic holds, past this version's offsets, the batches of the learner's next
+        QUEUED_VERSIONS versions (and of the versions held ahead): more episodes now would queue behind them and
+        reach the learner stale. Never with --fixed-quota or a manifest that does not say what it needs."""
+        s, manifest = self.settings, self.manifest
+        if s.demand_settle_s is None or manifest is None or manifest.next_batches <= 0:
+            return False
+        held = self.demand.held_since(manifest.offsets)
+        return held is not None and held >= manifest.next_batches * (QUEUED_VERSIONS + s.versions_ahead)
+
+    def wait_for_queue(self) -> None:
+        """With quota left, wait while the learner's queue is full, until it reads (a newer version) or runs low.
+
+        A quota is a bound, not a rate: where fewer groups than it allows for are dropped upstream, a quota
+        fills more batches than a version trains on. The surplus queued up and reached the learner stale: a
+        default demo made 1,024 episodes every version and its learner skipped 227 whole batches as stale
+        against 400 it trained on."""
+        if not self.learner_queue_full():
+            return
+        started, version = time.monotonic(), self.backend.version
+        self.stats.queue_waits += 1
+        checked = started
+        while not self._stop and self.backend.version == version:
+            if time.monotonic() - checked >= QUEUE_POLL_S:
+                checked = time.monotonic()
+                if not self.learner_queue_full():
+                    break
+            self.maybe_load_checkpoint()
+            time.sleep(0.1)
         self.stats.paused_s += time.monotonic() - started
 
     def mark_yield(self) -> None:
@@ -399,6 +438,7 @@ class RolloutWorker:
                 "statuses": self.stats.statuses, "tokens": self.stats.tokens, "events": self.sink.stats,
                 "generate_s": round(self.stats.generate_s, 2), "sandbox_s": round(self.stats.sandbox_s, 2),
                 "paused_s": round(self.stats.paused_s, 2), "quota_waits": self.stats.quota_waits,
+                "queue_waits": self.stats.queue_waits,
                 "demand_steps": self.stats.demand_steps,
                 "versions_loaded": self.stats.versions_loaded, "checkpoint_bytes": self.stats.checkpoint_bytes,
                 "checkpoints_refused": self.follower.refused, "curriculum_skips": dict(self.mixer.skips),

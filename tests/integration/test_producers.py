@@ -5,6 +5,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from infra.bootstrap import bootstrap
-from infra.kafka import Publisher, read_topic
+from infra.kafka import Publisher, end_offsets, read_topic
 from infra.objectstore import ObjectStore
 from infra.settings import Settings
 from producers.checkpoints import WEIGHTS_FILE, CheckpointFollower
@@ -141,14 +142,15 @@ def _watermarks(settings: Settings, topics: Topics) -> list[tuple[int, int]]:
 
 
 def publish_checkpoint(stack: Settings, store: ObjectStore, topics: Topics, version: int,
-                       weights: dict[str, torch.Tensor], corrupt: bool = False, next_batches: int = 0) -> None:
+                       weights: dict[str, torch.Tensor], corrupt: bool = False, next_batches: int = 0,
+                       offsets: dict[int, int] | None = None) -> None:
     from safetensors.torch import save
 
     data = save(weights, metadata={"format": "pt"})
     prefix = checkpoint_prefix(topics.ns, version)
     store.put(prefix + WEIGHTS_FILE, data)
     manifest = CheckpointManifest(run=topics.ns, version=version, step=version, algorithm="grpo",
-                                  files={WEIGHTS_FILE: FileEntry(sha256_hex(data), len(data))}, offsets={},
+                                  files={WEIGHTS_FILE: FileEntry(sha256_hex(data), len(data))}, offsets=offsets or {},
                                   batch_ids=[], next_batches=next_batches)
     body = manifest.to_json()
     store.put(prefix + "manifest.json", body)
@@ -342,6 +344,45 @@ def test_a_worker_past_its_quota_makes_what_the_learner_lacks_at_the_rate_its_ep
     else:
         assert steps == [4, 4, 4, 2, 4] and waits == [(0, 0), (0, 0), (1, 1), (1, 1), (2, 1)]
     assert worker.backend.version == 0
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["following-demand", "fixed-quota"])
+def test_a_worker_with_quota_left_waits_while_the_learner_already_holds_its_next_two_versions_batches(
+        stack: Settings, topics: Topics, store: ObjectStore, fixed: bool) -> None:
+    """v0 says the learner trains 2 batches a version. With 3 on the batches topic the worker makes a step; with 4
+    (those of v1 and v2) it makes none, though 4 of its quota of 8 episodes are left: they would queue behind
+    them and reach the learner stale. It waits until v1 comes, read past those batches, then makes its step with
+    v1. With --fixed-quota it ignores the learner's batches and makes its quota with v0."""
+    settings = WorkerSettings(ns=topics.ns, producer_id="queued", group_size=2, max_new_tokens=4, layers=2,
+                              width=64, prompts_per_step=2, max_episodes_per_version=8, quota_wait_s=3.0,
+                              demand_settle_s=None if fixed else 0.3, max_policy_lag=9)
+    worker = RolloutWorker(settings, stack)
+    base = {k: v.clone() for k, v in worker.backend.model.state_dict().items() if k != "lm_head.weight"}
+    add_batches(stack, topics, 3)
+    publish_checkpoint(stack, store, topics, 0, base, next_batches=2)
+    worker.follower.start()
+    stepping = threading.Thread(target=worker.step)
+    try:
+        worker.wait_for_published_weights()
+        worker.step()
+        assert (worker.stats.episodes, worker.stats.queue_waits) == (4, 0)
+        add_batches(stack, topics, 1)
+        stepping.start()
+        time.sleep(2.0)
+        made_while_full = worker.stats.episodes
+        read_past = {p: high for p, (_, high) in end_offsets(stack, topics.batches).items()}
+        publish_checkpoint(stack, store, topics, 1, {k: (t + 1).contiguous() for k, t in base.items()},
+                           next_batches=2, offsets=read_past)
+        stepping.join(60)
+        assert not stepping.is_alive()
+    finally:
+        close_worker(worker)
+    started = Counter(events[0][2].policy_version for events in events_by_episode(stack, topics).values())
+    if fixed:
+        assert made_while_full == 8 and worker.stats.queue_waits == 0 and started == {0: 8}
+    else:
+        assert made_while_full == 4 and worker.stats.queue_waits == 1
+        assert worker.backend.version == 1 and worker.stats.episodes == 8 and started == {0: 4, 1: 4}
 
 
 def test_a_worker_whose_episodes_added_no_batch_makes_a_whole_quota_more_at_most(
