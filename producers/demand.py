@@ -3,6 +3,7 @@ quota goes on generating while the learner is short instead of waiting for a ver
 
     demand = LearnerDemand(platform, topics)
     short = demand.shortfall(ready.manifest)   # batches missing for the next version (<= 0: it has them), or None
+    queued = demand.rollouts_since(ready.manifest.offsets)   # of the batches held, those of rollouts, or None
 
 A version's manifest says where the learner stood in the batches topic when it made that version (`offsets`)
 and how many batches the next one trains on (`next_batches`); what the topic holds past those offsets is there
@@ -11,12 +12,17 @@ them time to arrive (--demand-settle-s) before it trusts a shortfall.
 """
 from __future__ import annotations
 
+import bisect
 import logging
+import time
 from typing import Any, Optional
 
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from infra.kafka import consumer, watermarks
+from schemas.codec import codec
+from schemas.errors import DecodeError
+from schemas.records import BatchManifest
 from infra.settings import Settings
 from schemas.manifests import CheckpointManifest
 from schemas.topics import Topics
@@ -28,6 +34,10 @@ class LearnerDemand:
     def __init__(self, settings: Settings, topics: Topics, timeout_s: float = 5.0) -> None:
         self.settings, self.topic, self.timeout_s = settings, topics.batches, timeout_s
         self._consumer: Any = None
+        # What rollouts_since has read of the topic: per partition, the next offset to read and the offsets of
+        # the batches of rollouts (records never change, so each is read once).
+        self._read_to: dict[int, int] = {}
+        self._rollouts: dict[int, list[int]] = {}
 
     def shortfall(self, manifest: CheckpointManifest) -> Optional[int]:
         """Batches the learner lacks to make the version after `manifest`'s; None when the manifest does not say
@@ -40,9 +50,7 @@ class LearnerDemand:
     def held_since(self, offsets: dict[int, int]) -> Optional[int]:
         """Batch records the topic holds past `offsets` (per partition; a partition not in them from its start)."""
         try:
-            if self._consumer is None:  # never subscribes nor commits: watermarks only
-                self._consumer = consumer(self.settings, f"{self.topic}-demand")
-            marks = watermarks(self._consumer, self.topic, self.timeout_s)
+            marks = watermarks(self._client(), self.topic, self.timeout_s)
         except (KafkaException, KeyError) as exc:
             marks, why = {}, str(exc)
         else:
@@ -52,6 +60,62 @@ class LearnerDemand:
                         self.topic, why)
             return None
         return sum(max(0, high - max(low, offsets.get(p, low))) for p, (low, high) in marks.items())
+
+    def rollouts_since(self, offsets: dict[int, int]) -> Optional[int]:
+        """Batches of rollouts the topic holds past `offsets`: the learner's RL phase trains on them. Batches of
+        demonstrations (policy_version_max < 0) are not counted: left over from an SFT phase, the learner only
+        skips them, and counted they would look like work it has queued. None when the broker cannot say."""
+        try:
+            marks = watermarks(self._client(), self.topic, self.timeout_s)
+            if not marks:
+                return None
+            self._read(marks)
+        except (KafkaException, KeyError, TimeoutError) as exc:
+            log.warning("batches topic %s: cannot read its batches (%s)", self.topic, exc)
+            return None
+        return sum(len(found) - bisect.bisect_left(found, max(marks[p][0], offsets.get(p, marks[p][0])))
+                   for p, found in self._rollouts.items() if p in marks)
+
+    def _read(self, marks: dict[int, tuple[int, int]]) -> None:
+        """Read every partition from where it was left (or its start) to its high watermark."""
+        todo = {p: high for p, (low, high) in marks.items() if max(low, self._read_to.get(p, low)) < high}
+        if not todo:
+            return
+        c = self._consumer
+        c.assign([TopicPartition(self.topic, p, max(marks[p][0], self._read_to.get(p, marks[p][0]))) for p in todo])
+        deadline = time.monotonic() + self.timeout_s
+        while todo:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"partitions {sorted(todo)} not read to their end in {self.timeout_s}s")
+            msg = c.poll(0.2)
+            if msg is None:
+                continue
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:  # the end can lie past the last record (a commit marker)
+                    part = msg.partition() or 0
+                    if part in todo:
+                        self._read_to[part] = todo.pop(part)
+                elif not err.retriable():
+                    raise KafkaException(err)
+                continue
+            part, offset = msg.partition() or 0, msg.offset() or 0
+            self._read_to[part] = offset + 1
+            try:
+                batch = codec.decode(msg.value() or b"", expect=BatchManifest)
+            except DecodeError:
+                batch = None  # the learner dead-letters it: nothing it trains on
+            if batch is not None and batch.policy_version_max >= 0:
+                self._rollouts.setdefault(part, []).append(offset)
+            if offset + 1 >= todo.get(part, 0):
+                todo.pop(part, None)
+        c.unassign()
+
+    def _client(self) -> Any:
+        """One consumer for watermarks and reads: it never subscribes nor commits (assigned partitions only)."""
+        if self._consumer is None:
+            self._consumer = consumer(self.settings, f"{self.topic}-demand", **{"enable.partition.eof": True})
+        return self._consumer
 
     def close(self) -> None:
         if self._consumer is not None:

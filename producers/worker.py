@@ -234,14 +234,16 @@ class RolloutWorker:
         self.stats.paused_s += time.monotonic() - started
 
     def learner_queue_full(self) -> bool:
-        """True while the batches topic holds, past this version's offsets, the batches of the learner's next
-        QUEUED_VERSIONS versions (and of the versions held ahead): more episodes now would queue behind them and
-        reach the learner stale. Never with --fixed-quota or a manifest that does not say what it needs."""
+        """True while the batches topic holds, past this version's offsets, rollouts for the learner's next
+        QUEUED_VERSIONS versions (and for the versions held ahead): more episodes now would queue behind them and
+        reach the learner stale. Batches of demonstrations left over from an SFT phase do not count: the learner
+        skips them, and a worker that waited for it to read them would wait for a version that cannot come
+        without its rollouts. Never with --fixed-quota or a manifest that does not say what it needs."""
         s, manifest = self.settings, self.manifest
         if s.demand_settle_s is None or manifest is None or manifest.next_batches <= 0:
             return False
-        held = self.demand.held_since(manifest.offsets)
-        return held is not None and held >= manifest.next_batches * (QUEUED_VERSIONS + s.versions_ahead)
+        queued = self.demand.rollouts_since(manifest.offsets)
+        return queued is not None and queued >= manifest.next_batches * (QUEUED_VERSIONS + s.versions_ahead)
 
     def wait_for_queue(self) -> None:
         """With quota left, wait while the learner's queue is full, until it reads (a newer version) or runs low.

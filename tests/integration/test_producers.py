@@ -26,6 +26,7 @@ from schemas.keys import checkpoint_prefix
 from schemas.manifests import CheckpointManifest, FileEntry
 from schemas.packing import sha256_hex
 from schemas.records import (
+    BatchManifest,
     CheckpointPublished,
     EpisodeEnded,
     EpisodeStarted,
@@ -298,6 +299,18 @@ def add_batches(stack: Settings, topics: Topics, n: int) -> None:
     pub.close()
 
 
+def add_batch_records(stack: Settings, topics: Topics, n: int, version: int) -> None:
+    """n batch records as the shard writer writes them, of rollouts of `version` or of demonstrations (-1)."""
+    pub = Publisher(stack)
+    for i in range(n):
+        pub.send(topics.batches, None, codec.encode(BatchManifest(
+            batch_id=f"b-{version}-{i}", run=topics.ns, bucket="b", key=f"k{i}", sha256="0" * 64, size=1,
+            num_trajectories=4, num_tokens=40, source_topic=topics.scored, partition=0, first_offset=i, last_offset=i,
+            policy_version_min=version, policy_version_max=version, reward_mean=0.0, reward_std=0.0,
+            trajectory_ids=(f"t{i}",), ts=1)))
+    pub.close()
+
+
 def close_worker(worker: RolloutWorker) -> None:
     worker.follower.stop()
     worker.sink.close()
@@ -349,7 +362,8 @@ def test_a_worker_past_its_quota_makes_what_the_learner_lacks_at_the_rate_its_ep
 @pytest.mark.parametrize("fixed", [False, True], ids=["following-demand", "fixed-quota"])
 def test_a_worker_with_quota_left_waits_while_the_learner_already_holds_its_next_two_versions_batches(
         stack: Settings, topics: Topics, store: ObjectStore, fixed: bool) -> None:
-    """v0 says the learner trains 2 batches a version. With 3 on the batches topic the worker makes a step; with 4
+    """v0 says the learner trains 2 batches a version. Behind 6 batches of demonstrations left over from an SFT phase
+    (which the learner only skips), with 3 batches of rollouts on the topic the worker makes a step; with 4
     (those of v1 and v2) it makes none, though 4 of its quota of 8 episodes are left: they would queue behind
     them and reach the learner stale. It waits until v1 comes, read past those batches, then makes its step with
     v1. With --fixed-quota it ignores the learner's batches and makes its quota with v0."""
@@ -358,15 +372,19 @@ def test_a_worker_with_quota_left_waits_while_the_learner_already_holds_its_next
                               demand_settle_s=None if fixed else 0.3, max_policy_lag=9)
     worker = RolloutWorker(settings, stack)
     base = {k: v.clone() for k, v in worker.backend.model.state_dict().items() if k != "lm_head.weight"}
-    add_batches(stack, topics, 3)
+    add_batch_records(stack, topics, 6, version=-1)
+    add_batch_records(stack, topics, 3, version=0)
     publish_checkpoint(stack, store, topics, 0, base, next_batches=2)
     worker.follower.start()
-    stepping = threading.Thread(target=worker.step)
+    stepping = threading.Thread(target=worker.step, daemon=True)
     try:
         worker.wait_for_published_weights()
-        worker.step()
+        first = threading.Thread(target=worker.step, daemon=True)
+        first.start()
+        first.join(30)
+        assert not first.is_alive(), "the left-over demonstrations held the worker"
         assert (worker.stats.episodes, worker.stats.queue_waits) == (4, 0)
-        add_batches(stack, topics, 1)
+        add_batch_records(stack, topics, 1, version=0)
         stepping.start()
         time.sleep(2.0)
         made_while_full = worker.stats.episodes
@@ -376,6 +394,7 @@ def test_a_worker_with_quota_left_waits_while_the_learner_already_holds_its_next
         stepping.join(60)
         assert not stepping.is_alive()
     finally:
+        worker.request_stop()
         close_worker(worker)
     started = Counter(events[0][2].policy_version for events in events_by_episode(stack, topics).values())
     if fixed:
