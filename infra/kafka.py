@@ -169,13 +169,26 @@ class Publisher:
 def read_topic(settings: Settings, topic: str, timeout: float = 60.0) -> Iterator[Message]:
     """Every record of `topic` from the beginning up to its end at call time (tools, tests, replay)."""
     ends = end_offsets(settings, topic)
-    todo = {p: hi for p, (lo, hi) in ends.items() if hi > lo}
+    todo = {p: (lo, hi) for p, (lo, hi) in ends.items() if hi > lo}
     if not todo:
         return
+    c = consumer(settings, f"trajpipe-reader-{topic}", **{"enable.partition.eof": True})
+    try:
+        yield from read_ranges(c, topic, todo, timeout)
+    finally:
+        c.close()
+
+
+def read_ranges(c: Consumer, topic: str, ranges: dict[int, tuple[int, int]], timeout: float = 60.0
+                ) -> Iterator[Message]:
+    """The records of each partition from its start offset up to its end (start, end), through a consumer made
+    with `enable.partition.eof`, which this assigns and leaves unassigned; TimeoutError past `timeout`."""
     # The end offset can lie past the last record (a transaction's commit marker): a partition is done at its
     # last record or at the consumer's end-of-partition event, whichever comes first.
-    c = consumer(settings, f"trajpipe-reader-{topic}", **{"enable.partition.eof": True})
-    c.assign([TopicPartition(topic, p, ends[p][0]) for p in todo])
+    todo = {p: end for p, (start, end) in ranges.items() if end > start}
+    if not todo:
+        return
+    c.assign([TopicPartition(topic, p, ranges[p][0]) for p in todo])
     deadline = time.monotonic() + timeout
     try:
         while todo:
@@ -197,7 +210,7 @@ def read_topic(settings: Settings, topic: str, timeout: float = 60.0) -> Iterato
                 todo.pop(part, None)
             yield msg
     finally:
-        c.close()
+        c.unassign()
 
 
 def committed_offsets(c: Consumer, partitions: list[TopicPartition], timeout: float = 10.0) -> list[TopicPartition]:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import bisect
 import logging
-import time
 from typing import Any, Optional
 
-from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from confluent_kafka import KafkaException
 
-from infra.kafka import consumer, watermarks
+from infra.kafka import consumer, read_ranges, watermarks
 from schemas.codec import codec
 from schemas.errors import DecodeError
 from schemas.records import BatchManifest
@@ -78,38 +77,18 @@ class LearnerDemand:
 
     def _read(self, marks: dict[int, tuple[int, int]]) -> None:
         """Read every partition from where it was left (or its start) to its high watermark."""
-        todo = {p: high for p, (low, high) in marks.items() if max(low, self._read_to.get(p, low)) < high}
-        if not todo:
-            return
-        c = self._consumer
-        c.assign([TopicPartition(self.topic, p, max(marks[p][0], self._read_to.get(p, marks[p][0]))) for p in todo])
-        deadline = time.monotonic() + self.timeout_s
-        while todo:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"partitions {sorted(todo)} not read to their end in {self.timeout_s}s")
-            msg = c.poll(0.2)
-            if msg is None:
-                continue
-            err = msg.error()
-            if err is not None:
-                if err.code() == KafkaError._PARTITION_EOF:  # the end can lie past the last record (a commit marker)
-                    part = msg.partition() or 0
-                    if part in todo:
-                        self._read_to[part] = todo.pop(part)
-                elif not err.retriable():
-                    raise KafkaException(err)
-                continue
-            part, offset = msg.partition() or 0, msg.offset() or 0
-            self._read_to[part] = offset + 1
+        ranges = {p: (max(low, self._read_to.get(p, low)), high) for p, (low, high) in marks.items()}
+        found: list[tuple[int, int]] = []  # taken only once every partition is read (a timeout reads it again)
+        for msg in read_ranges(self._client(), self.topic, ranges, self.timeout_s):
             try:
                 batch = codec.decode(msg.value() or b"", expect=BatchManifest)
             except DecodeError:
                 batch = None  # the learner dead-letters it: nothing it trains on
             if batch is not None and batch.policy_version_max >= 0:
-                self._rollouts.setdefault(part, []).append(offset)
-            if offset + 1 >= todo.get(part, 0):
-                todo.pop(part, None)
-        c.unassign()
+                found.append((msg.partition() or 0, msg.offset() or 0))
+        for part, offset in sorted(found):
+            self._rollouts.setdefault(part, []).append(offset)
+        self._read_to.update({p: end for p, (_, end) in ranges.items()})
 
     def _client(self) -> Any:
         """One consumer for watermarks and reads: it never subscribes nor commits (assigned partitions only)."""
