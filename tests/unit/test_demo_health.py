@@ -284,3 +284,16 @@ def test_a_malformed_demonstration_mix_is_refused_before_anything_starts(capsys:
         with pytest.raises(SystemExit) as stopped:
             main(["--demonstration-weights", bad])
         assert stopped.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_the_gpu_script_runs_the_demo_with_options_the_demo_has() -> None:
+    """tests/gpu/smollm2_pipeline.sh never runs here (no GPU): its demo command must still parse, with the preset
+    applied and its own values winning over the preset's."""
+    script = (Path(__file__).resolve().parents[1] / "gpu" / "smollm2_pipeline.sh").read_text()
+    command = script.split('-m infra demo', 1)[1].split("||", 1)[0].replace("\\\n", " ")
+    argv = [word.strip('"') for word in command.split()]
+    argv = [{"$NS": "gpu-check", "$backend": "vllm", "${UPDATES:-60}": "60"}.get(word, word) for word in argv]
+    assert not [word for word in argv if "$" in word], argv
+    args = apply_preset(parser().parse_args(argv), argv)
+    assert (args.model, args.backend, args.learner_device, args.rl_updates) == ("smollm2-135m", "vllm", "cuda", 60)
+    assert args.batch_trajectories == 64 and args.sources == PRESETS["smollm2"]["sources"]
