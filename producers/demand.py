@@ -19,11 +19,11 @@ from typing import Any, Optional
 from confluent_kafka import KafkaException
 
 from infra.kafka import consumer, read_ranges, watermarks
+from infra.settings import Settings
 from schemas.codec import codec
 from schemas.errors import DecodeError
-from schemas.records import BatchManifest
-from infra.settings import Settings
 from schemas.manifests import CheckpointManifest
+from schemas.records import BatchManifest
 from schemas.topics import Topics
 
 log = logging.getLogger(__name__)

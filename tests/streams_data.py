@@ -19,6 +19,7 @@ from schemas.codec import codec
 from schemas.keys import trajectory_id
 from schemas.packing import pack_floats, pack_ids
 from schemas.records import (
+    BatchManifest,
     Body,
     EpisodeEnded,
     EpisodeStarted,
@@ -203,3 +204,12 @@ def recorded_stream(groups_per_domain: int = 2, group_size: int = 4, seed: int =
             stream.messages.insert(at, (key, value))
             stream.expect_reasons[reason] += 1
     return stream
+
+
+def batch_record(n: int, version: int, run: str = "r") -> bytes:
+    """The n-th batch record as the shard writer writes it: of rollouts of `version`, or of demonstrations (-1)."""
+    return codec.encode(BatchManifest(batch_id=f"b-{version}-{n}", run=run, bucket="b", key=f"k{n}", sha256="0" * 64,
+                                      size=1, num_trajectories=4, num_tokens=40, source_topic="s", partition=0,
+                                      first_offset=n, last_offset=n, policy_version_min=version,
+                                      policy_version_max=version, reward_mean=0.0, reward_std=0.0,
+                                      trajectory_ids=(f"t{n}",), ts=1))

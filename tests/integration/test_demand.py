@@ -6,10 +6,9 @@ import pytest
 from infra.kafka import Publisher, end_offsets
 from infra.settings import Settings
 from producers.demand import LearnerDemand
-from schemas.codec import codec
 from schemas.manifests import CheckpointManifest
-from schemas.records import BatchManifest
 from schemas.topics import Topics
+from tests.streams_data import batch_record
 
 pytestmark = pytest.mark.integration
 
@@ -45,25 +44,16 @@ def test_a_topic_the_broker_does_not_know_leaves_the_demand_unknown(stack: Setti
         demand.close()
 
 
-def batch(n: int, version: int) -> bytes:
-    """A batch record as the shard writer writes it: of rollouts of `version`, or of demonstrations (-1)."""
-    return codec.encode(BatchManifest(batch_id=f"b-{n}", run="r", bucket="b", key=f"k{n}", sha256="0" * 64, size=1,
-                                      num_trajectories=64, num_tokens=640, source_topic="s", partition=0,
-                                      first_offset=n, last_offset=n, policy_version_min=version,
-                                      policy_version_max=version, reward_mean=0.0, reward_std=0.0,
-                                      trajectory_ids=(f"t{n}",), ts=1))
-
-
 def test_the_rollouts_queued_past_a_versions_offsets_leave_out_demonstrations_and_unreadable_records(
         stack: Settings, topics: Topics) -> None:
     """An SFT phase's left-over demonstrations are on the topic ahead of the rollouts: the learner only skips them,
     so they are not rollouts queued for it. Each record is read once, however often the worker asks."""
     pub = Publisher(stack)
     for n in range(5):
-        pub.send(topics.batches, None, batch(n, -1), partition=0)
+        pub.send(topics.batches, None, batch_record(n, -1), partition=0)
     pub.send(topics.batches, None, b"not a batch", partition=0)
     for n in range(5, 8):
-        pub.send(topics.batches, None, batch(n, 4), partition=0)
+        pub.send(topics.batches, None, batch_record(n, 4), partition=0)
     pub.close()
     demand = LearnerDemand(stack, topics)
     try:
@@ -71,7 +61,7 @@ def test_the_rollouts_queued_past_a_versions_offsets_leave_out_demonstrations_an
         assert demand.rollouts_since({}) == 3
         assert demand.rollouts_since({0: 7}) == 2  # past the first rollout batch (offset 6)
         pub = Publisher(stack)
-        pub.send(topics.batches, None, batch(8, 5), partition=0)
+        pub.send(topics.batches, None, batch_record(8, 5), partition=0)
         pub.close()
         assert demand.rollouts_since({0: 7}) == 3
         high = end_offsets(stack, topics.batches)[0][1]

@@ -26,7 +26,6 @@ from schemas.keys import checkpoint_prefix
 from schemas.manifests import CheckpointManifest, FileEntry
 from schemas.packing import sha256_hex
 from schemas.records import (
-    BatchManifest,
     CheckpointPublished,
     EpisodeEnded,
     EpisodeStarted,
@@ -38,6 +37,7 @@ from schemas.records import (
 from schemas.topics import Topics
 from streams.outbox import KafkaOutbox
 from tests.stack import private_launcher
+from tests.streams_data import batch_record
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -303,11 +303,7 @@ def add_batch_records(stack: Settings, topics: Topics, n: int, version: int) -> 
     """n batch records as the shard writer writes them, of rollouts of `version` or of demonstrations (-1)."""
     pub = Publisher(stack)
     for i in range(n):
-        pub.send(topics.batches, None, codec.encode(BatchManifest(
-            batch_id=f"b-{version}-{i}", run=topics.ns, bucket="b", key=f"k{i}", sha256="0" * 64, size=1,
-            num_trajectories=4, num_tokens=40, source_topic=topics.scored, partition=0, first_offset=i, last_offset=i,
-            policy_version_min=version, policy_version_max=version, reward_mean=0.0, reward_std=0.0,
-            trajectory_ids=(f"t{i}",), ts=1)))
+        pub.send(topics.batches, None, batch_record(i, version, run=topics.ns))
     pub.close()
 
 
