@@ -262,12 +262,14 @@ async def batches(stream: StreamT, max_size: int, wait_s: float) -> AsyncIterato
     while True:
         try:
             batch = [await queue.get()]
-        except StopAsyncIteration:  # Faust stops a stream by throwing this into its channel
-            return
-        _drain(queue, batch, max_size)
-        if len(batch) * SMALL_BATCH < max_size and wait_s > 0:
-            await asyncio.sleep(wait_s)
             _drain(queue, batch, max_size)
+            if len(batch) * SMALL_BATCH < max_size and wait_s > 0:
+                await asyncio.sleep(wait_s)
+                _drain(queue, batch, max_size)
+        except StopAsyncIteration:
+            # Faust stops a stream by throwing this into its channel, also while a batch fills: the
+            # batch's events are not acked, so a restarted worker gets them again.
+            return
         yield batch
 
 

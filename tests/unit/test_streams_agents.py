@@ -20,7 +20,7 @@ from streams import counting
 from streams.app import build_app
 from streams.outbox import MemoryOutbox
 from streams.rewards import RewardResult
-from streams.runtime import StreamsApp
+from streams.runtime import StreamsApp, batches
 from streams.scoring import Scorer
 from streams.settings import StreamSettings
 from streams.state import counts_key, load_closed_episode, load_episode, load_group, load_task_count
@@ -756,3 +756,30 @@ def test_a_restarted_worker_times_out_an_open_group_it_recovered() -> None:
     assert pipeline.metrics.total("streams/groups", outcome="timed_out") == 1
     assert len(decoded(outbox2, "trajectories.scored")) == 3
     assert markers(second)[1] == {b"g-q"} and pipeline.open_groups == {}
+
+
+def test_a_stream_stopped_while_a_small_batch_waits_to_fill_ends_its_agent_quietly() -> None:
+    """Faust stops an agent by throwing StopAsyncIteration into its channel's queue. Thrown while a
+    small batch waited to fill, it used to escape the batch's drain as RuntimeError('async generator
+    raised StopAsyncIteration'): the agent crashed, its supervisor restarted it mid-stop and the worker
+    never exited. The unfinished batch is not handed on: its events were not acked, so they come again."""
+    app, _ = make_app(batch_wait_s=0.5)
+    app.flow_control.resume()
+
+    async def stop_while_waiting() -> list[list[Any]]:
+        stream = app.stream(aiter(app.channel()))
+        queue = aiter(stream.channel).queue  # type: ignore[attr-defined]
+        await queue.put("first event")
+        handed: list[list[Any]] = []
+
+        async def agent() -> None:
+            async for batch in batches(stream, max_size=10, wait_s=0.5):
+                handed.append(batch)
+
+        running = asyncio.ensure_future(agent())
+        await asyncio.sleep(0.1)  # the agent holds a batch of one and waits for more
+        await queue.throw(StopAsyncIteration())
+        await asyncio.wait_for(running, 5)
+        return handed
+
+    assert asyncio.run(stop_while_waiting()) == []
