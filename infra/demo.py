@@ -66,6 +66,15 @@ SOURCES = "reverse-3,reverse-4,reverse-5,reverse-6"
 DEMONSTRATION_WEIGHTS = "reverse-3=1,reverse-4=1,reverse-5=1,reverse-6=2"
 SFT_UPDATES = 115
 SFT_UNTIL_MATCH = 0.2
+# ... or once greedy decoding writes SFT_ENOUGH_MATCH of all the demonstrations of its last 5 updates (learner
+# --sft-enough-match): with the 6-letter words still under the bar, the shorter ones are solved by then, and a phase
+# that waited for the 6-letter ones ended at 0.773-0.797 held-out (runs AD, AK2), leaving the RL phase no room for
+# +0.2. In process over 12 data orders (`bench_learning.py --sft-weights reverse-6=2 --overall-bars 0.5,0.55,0.6`),
+# 0.55 came first in the 3 runs that ended highest (0.785 -> 0.734, 0.738 -> 0.656, 0.730 -> 0.621; the last left
+# 6-letter words at 0.08 held-out); 0.5 came first in 6, also cutting runs that ended at 0.57-0.68; 0.6 in the same
+# 3 (to 0.707-0.734), but in the logs of runs AJ and AK2 it came with the weakest length's bar, where 0.55 would
+# have ended AK2's phase 7 updates earlier.
+SFT_ENOUGH_MATCH = 0.55
 SFT_MOST = 160
 # GRPO updates after the SFT phase. Held-out greedy success had reached 0.96-0.99 38-40 updates after it in three
 # runs of that rule; the updates after that cost the most (a policy that solves nearly every task makes groups
@@ -142,7 +151,8 @@ def warmup_updates(args: argparse.Namespace) -> int:
     if args.warmup_updates is not None:
         return int(args.warmup_updates)
     # a phase judged by its greedy match: a tenth of the length it was calibrated at, not of the most it may take
-    return (min(args.sft_updates, SFT_UPDATES) if args.sft_until_match else args.sft_updates) // 10
+    judged = args.sft_until_match or args.sft_enough_match
+    return (min(args.sft_updates, SFT_UPDATES) if judged else args.sft_updates) // 10
 
 
 def sft_version(args: argparse.Namespace) -> int:
@@ -188,6 +198,8 @@ def plan(args: argparse.Namespace, ns: str) -> list[Service]:
                             *(["--sft-until-loss", str(args.sft_until_loss)] if args.sft_until_loss else []),
                             *(["--sft-until-match", str(args.sft_until_match)]
                               if args.sft_until_match and args.sft_updates else []),
+                            *(["--sft-enough-match", str(args.sft_enough_match)]
+                              if args.sft_enough_match and args.sft_updates else []),
                             "--warmup-updates", str(warmup_updates(args)),
                             "--max-policy-lag", str(args.max_policy_lag), "--device", args.learner_device,
                             "--keep-last",
@@ -464,6 +476,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sft-until-match", type=float, default=SFT_UNTIL_MATCH, metavar="F",
                    help="end the SFT phase once greedy decoding writes a share F of every task source's demonstrations "
                         "of its last 5 updates token for token before training on them (0: run all --sft-updates)")
+    p.add_argument("--sft-enough-match", type=float, default=SFT_ENOUGH_MATCH, metavar="P",
+                   help="... or once it writes a share P of all the demonstrations of its last 5 updates, every source "
+                        "together, which leaves the RL phase room to add (0: off)")
     p.add_argument("--sft-until-loss", type=float, default=None, metavar="L",
                    help="end the SFT phase early once the mean SFT loss of its last 5 updates is at or under L")
     p.add_argument("--rl-updates", type=int, default=RL_UPDATES, help="GRPO updates after the SFT phase")

@@ -91,10 +91,11 @@ class PolicyHolder:
     """What every rank holds: the policy, its trainer and KL/DPO anchor, and the version it is at."""
 
     def __init__(self, settings: LearnerSettings, platform: Settings, world: World) -> None:
-        if (settings.sft_until_loss is not None or settings.sft_until_match is not None) and world.distributed:
+        judged = (settings.sft_until_loss, settings.sft_until_match, settings.sft_enough_match)
+        if any(bar is not None for bar in judged) and world.distributed:
             # the other ranks learn the phase from the update count rank 0 sends, not from its figures
-            raise ConfigError("--sft-until-loss and --sft-until-match run in one learner process: under torchrun give "
-                              "--sft-updates alone")
+            raise ConfigError("--sft-until-loss, --sft-until-match and --sft-enough-match run in one learner process: "
+                              "under torchrun give --sft-updates alone")
         self.s = settings
         self.platform = platform
         self.world = world
@@ -127,24 +128,12 @@ class PolicyHolder:
         return "sft" if updates < self.sft_updates() else self.s.algorithm
 
     def judge_sft(self, metrics: dict[str, float]) -> None:
-        """After an SFT update: end the phase once the mean of its latest losses reaches --sft-until-loss, or the mean
-        of its latest greedy matches --sft-until-match."""
+        """After an SFT update: end the phase once `sft_end_reason` gives one."""
         if self.sft_end is not None or "loss/sft" not in metrics:
             return
         self.sft_losses = [*self.sft_losses, metrics["loss/sft"]][-SFT_LOSS_WINDOW:]
         self.sft_matches = [*self.sft_matches, source_matches(metrics)][-SFT_MATCH_WINDOW:]
-        loss = mean(self.sft_losses)
-        why = ""
-        if self.s.sft_until_loss is not None and len(self.sft_losses) == SFT_LOSS_WINDOW and loss <= self.s.sft_until_loss:
-            why = f"mean loss of the last {SFT_LOSS_WINDOW} {loss:.4f} <= {self.s.sft_until_loss}"
-        pooled = pooled_matches(self.sft_matches)
-        weakest = weakest_source(pooled)
-        if self.s.sft_until_match is not None and len(self.sft_matches) == SFT_MATCH_WINDOW and weakest is not None \
-                and weakest[1] >= self.s.sft_until_match:
-            source, share = weakest
-            of = f"{source}'s demonstrations" + (f" (the weakest of {len(pooled)} sources)" if len(pooled) > 1 else "")
-            why = (f"greedy decoding wrote {share:.3f} of {of} in the last {SFT_MATCH_WINDOW} updates before training on "
-                   f"them, >= {self.s.sft_until_match}")
+        why = sft_end_reason(self.s, self.sft_losses, self.sft_matches)
         if why and self.updates < self.s.sft_updates:
             self.sft_end = self.updates
             if self.world.leader:
@@ -622,6 +611,29 @@ class LearnerService(PolicyHolder):
                 "published_mb": round(self.published_bytes / 1e6, 1), "reader": self.reader.metrics()}
 
 
+def sft_end_reason(s: LearnerSettings, losses: list[float], matches: list[dict[str, list[float]]]) -> str:
+    """Why the SFT phase ends after the updates of which `losses` and `matches` are the latest ("": it goes on): the
+    mean of its latest losses reached --sft-until-loss, greedy decoding wrote --sft-until-match of the weakest source's
+    demonstrations, or --sft-enough-match of all of them (the RL phase needs room to add to what SFT taught)."""
+    why = ""
+    if s.sft_until_loss is not None and len(losses) == SFT_LOSS_WINDOW and mean(losses) <= s.sft_until_loss:
+        why = f"mean loss of the last {SFT_LOSS_WINDOW} {mean(losses):.4f} <= {s.sft_until_loss}"
+    if len(matches) < SFT_MATCH_WINDOW:
+        return why
+    overall = overall_match(matches)
+    if s.sft_enough_match is not None and overall is not None and overall >= s.sft_enough_match:
+        why = (f"greedy decoding wrote {overall:.3f} of all the demonstrations in the last {SFT_MATCH_WINDOW} updates "
+               f"before training on them, >= {s.sft_enough_match}")
+    pooled = pooled_matches(matches)
+    weakest = weakest_source(pooled)
+    if s.sft_until_match is not None and weakest is not None and weakest[1] >= s.sft_until_match:
+        source, share = weakest
+        of = f"{source}'s demonstrations" + (f" (the weakest of {len(pooled)} sources)" if len(pooled) > 1 else "")
+        why = (f"greedy decoding wrote {share:.3f} of {of} in the last {SFT_MATCH_WINDOW} updates before training on "
+               f"them, >= {s.sft_until_match}")
+    return why
+
+
 def source_matches(metrics: dict[str, float]) -> dict[str, list[float]]:
     """An SFT update's greedy match per task source: source -> [sequences greedy decoding wrote, sequences]."""
     rows = {k[len(ROWS) + 1:]: n for k, n in metrics.items() if k.startswith(ROWS + "/")}
@@ -636,6 +648,13 @@ def pooled_matches(window: list[dict[str, list[float]]]) -> dict[str, float]:
             total = totals.setdefault(source, [0.0, 0.0])
             total[0], total[1] = total[0] + written, total[1] + n
     return {source: written / n for source, (written, n) in sorted(totals.items()) if n}
+
+
+def overall_match(window: list[dict[str, list[float]]]) -> Optional[float]:
+    """The share of all the demonstrations of `window` that greedy decoding wrote, every source together (None: none)."""
+    written = sum(w for update in window for w, _ in update.values())
+    n = sum(k for update in window for _, k in update.values())
+    return written / n if n else None
 
 
 def weakest_source(pooled: dict[str, float]) -> Optional[tuple[str, float]]:

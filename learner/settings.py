@@ -34,6 +34,9 @@ class LearnerSettings:
     # updates token for token before training on them (an estimate of greedy success on unseen tasks, per source;
     # None: not judged)
     sft_until_match: float | None = None
+    # ... or once it wrote this share of all the demonstrations of those updates, every source together: the policy
+    # already solves so much that an RL phase after it has little room to add (None: not judged)
+    sft_enough_match: float | None = None
     lr: float = 1e-4
     sft_lr: float | None = None  # learning rate of the SFT warm start (None: lr)
     warmup_updates: int = 0  # linear learning-rate warmup over the run's first N updates
@@ -100,6 +103,10 @@ class LearnerSettings:
              "--sft-until-match is a share of the demonstrations: give 0 < F <= 1 (or omit it)"),
             (self.sft_until_match is None or self.sft_updates > 0, "--sft-until-match needs --sft-updates (the most "
                                                                    "the SFT phase takes)"),
+            (self.sft_enough_match is None or 0 < self.sft_enough_match <= 1,
+             "--sft-enough-match is a share of the demonstrations: give 0 < P <= 1 (or omit it)"),
+            (self.sft_enough_match is None or self.sft_updates > 0, "--sft-enough-match needs --sft-updates (the most "
+                                                                    "the SFT phase takes)"),
             (self.rl_updates is None or self.rl_updates >= 0, "--rl-updates must be >= 0 (0: stop when the SFT phase "
                                                                "ends; or omit it)"),
             (self.rl_updates is None or self.max_updates is None,
@@ -164,6 +171,10 @@ def parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
                         f"demonstrations of its last {SFT_MATCH_WINDOW} updates token for token before training on them: "
                         "greedy success on tasks it has not seen, for exact-match tasks, judged on the weakest source "
                         "(--sft-updates stays the most it takes)")
+    p.add_argument("--sft-enough-match", type=float, default=None, metavar="P",
+                   help=f"end the SFT phase early once greedy decoding wrote a share P of all the demonstrations of its "
+                        f"last {SFT_MATCH_WINDOW} updates, every source together: the policy solves so much already that "
+                        "an RL phase would have little left to add (--sft-updates stays the most it takes)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--sft-lr", type=float, default=None, help="learning rate of the SFT warm start (default: --lr)")
     p.add_argument("--warmup-updates", type=int, default=0, metavar="N",
@@ -278,7 +289,7 @@ def from_args(argv: list[str] | None = None, env: Optional[Mapping[str, str]] = 
         raise ConfigError("--ns is required (or set TRAJPIPE_NS)")
     return LearnerSettings(
         ns=a.ns, algorithm=a.algorithm, sft_updates=a.sft_updates, sft_until_loss=a.sft_until_loss,
-        sft_until_match=a.sft_until_match, lr=a.lr,
+        sft_until_match=a.sft_until_match, sft_enough_match=a.sft_enough_match, lr=a.lr,
         sft_lr=a.sft_lr,
         warmup_updates=a.warmup_updates,
         updates_per_checkpoint=a.updates_per_checkpoint, sft_updates_per_checkpoint=a.sft_updates_per_checkpoint,
@@ -316,6 +327,8 @@ def shaping_args(s: LearnerSettings) -> list[str]:
         args += ["--sft-until-loss", repr(s.sft_until_loss)]
     if s.sft_until_match is not None:
         args += ["--sft-until-match", repr(s.sft_until_match)]
+    if s.sft_enough_match is not None:
+        args += ["--sft-enough-match", repr(s.sft_enough_match)]
     if s.warmup_updates:
         args += ["--warmup-updates", str(s.warmup_updates)]
     if s.sft_updates_per_checkpoint is not None:

@@ -54,7 +54,7 @@ from learner import checkpoint_store  # noqa: E402
 from learner.checkpoint_files import CheckpointState, load_model_tensors, read_checkpoint, unflatten_optimizer_state  # noqa: E402
 from learner.eval import EVAL_SEED, wilson  # noqa: E402
 from learner.model import build_policy  # noqa: E402
-from learner.service import pooled_matches, source_matches, weakest_source  # noqa: E402
+from learner.service import overall_match, pooled_matches, source_matches, weakest_source  # noqa: E402
 from learner.settings import SFT_MATCH_WINDOW, parse_init  # noqa: E402
 from learner.update import TrainConfig, Trainer  # noqa: E402
 from producers.demonstrations import demonstration_events  # noqa: E402
@@ -165,7 +165,7 @@ def pipeline(args: argparse.Namespace) -> list[dict[str, float]]:
     # the synchronous loop's task source, fixed SFT length (the demo's default ends it by its greedy match) and
     # draws (the demo's default retires solved word lengths)
     cmd = [sys.executable, "-m", "infra", "demo", "--ns", ns, *init, "--sources", "reverse", "--sft-updates",
-           str(args.sft_updates), "--sft-until-match", "0", "--curriculum", "0", "--rl-updates",
+           str(args.sft_updates), "--sft-until-match", "0", "--sft-enough-match", "0", "--curriculum", "0", "--rl-updates",
            str(args.rl_updates), "--sft-lr", str(args.sft_lr), "--lr", str(args.lr), "--warmup-updates",
            str(args.warmup_updates), "--rl-batches-per-update", str(args.rl_batches_per_update),
            "--updates-per-checkpoint", str(args.updates_per_checkpoint), "--sft-updates-per-checkpoint",
@@ -404,6 +404,21 @@ def sft_phase(weights: str, seed: int, args: argparse.Namespace) -> dict[str, ob
     warmup = SFT_UPDATES // 10 if args.warmup_updates is None else args.warmup_updates  # as the demo's
     window: list[dict[str, list[float]]] = []
     started = time.perf_counter()
+
+    def heldout_success() -> tuple[float, dict[int, float]]:
+        backend.load_weights(dict(policy.state_dict()), 1)
+        gens = backend.generate([t.prompt for t in heldout], 1, Sampling(temperature=0.0, max_new_tokens=NEW_TOKENS))
+        by_length: dict[int, list[int]] = {}
+        for g, task in zip(gens, heldout):
+            tally = by_length.setdefault(len(task.spec["answer"]), [0, 0])
+            tally[0] += g[0].text.strip().split("\n")[0].strip() == task.spec["answer"]
+            tally[1] += 1
+        wins = sum(w for w, _ in by_length.values())
+        return wins / len(heldout), {n: w / k for n, (w, k) in sorted(by_length.items())}
+
+    # Where the phase would have ended had it also ended once the overall greedy match reached each bar
+    bars: dict[float, dict[str, object]] = {}
+    measuring = 0.0  # seconds in those measurements, not the phase's
     for update in range(1, SFT_MOST + 1):
         trainer.set_lr(args.sft_lr * min(1.0, update / warmup) if warmup else args.sft_lr)
         demos = [e for _ in range(BATCH)
@@ -413,16 +428,17 @@ def sft_phase(weights: str, seed: int, args: argparse.Namespace) -> dict[str, ob
         weakest = weakest_source(pooled_matches(window))
         if len(window) == SFT_MATCH_WINDOW and weakest is not None and weakest[1] >= args.sft_until_match:
             break
-    backend.load_weights(dict(policy.state_dict()), 1)
-    gens = backend.generate([t.prompt for t in heldout], 1, Sampling(temperature=0.0, max_new_tokens=NEW_TOKENS))
-    by_length: dict[int, list[int]] = {}
-    for g, task in zip(gens, heldout):
-        tally = by_length.setdefault(len(task.spec["answer"]), [0, 0])
-        tally[0] += g[0].text.strip().split("\n")[0].strip() == task.spec["answer"]
-        tally[1] += 1
-    wins = sum(w for w, _ in by_length.values())
-    return {"updates": update, "post_sft": wins / len(heldout), "seconds": time.perf_counter() - started,
-            "by_length": {n: w / k for n, (w, k) in sorted(by_length.items())}}
+        overall = overall_match(window)
+        for bar in args.overall_bars:
+            if len(window) == SFT_MATCH_WINDOW and overall is not None and overall >= bar and bar not in bars:
+                before = time.perf_counter()
+                post, by_length = heldout_success()
+                measuring += time.perf_counter() - before
+                bars[bar] = {"updates": update, "post_sft": post, "by_length": by_length,
+                             "weakest": weakest[1] if weakest else 0.0}
+    seconds = time.perf_counter() - started - measuring
+    post, by_length = heldout_success()
+    return {"updates": update, "post_sft": post, "seconds": seconds, "by_length": by_length, "bars": bars}
 
 
 def sft_weights(args: argparse.Namespace, started: float) -> None:
@@ -437,6 +453,10 @@ def sft_weights(args: argparse.Namespace, started: float) -> None:
             lengths = " / ".join(f"{v:.2f}" for v in r["by_length"].values())  # type: ignore[attr-defined]
             print(f"seed {seed}, demonstrations {mix or 'alike'}: SFT ends after {r['updates']} updates, held-out "
                   f"greedy {r['post_sft']:.3f} (by length {lengths}), {r['seconds']:.0f} s", flush=True)
+            for bar, b in r["bars"].items():  # type: ignore[attr-defined]
+                at = " / ".join(f"{v:.2f}" for v in b["by_length"].values())
+                print(f"  overall greedy match >= {bar} after {b['updates']} updates (weakest source "
+                      f"{b['weakest']:.2f}): held-out greedy {b['post_sft']:.3f} (by length {at})", flush=True)
     room = 1 - GOAL_RL_GAIN
     figures: list[Figure] = []
     for mix, rs in runs.items():
@@ -457,7 +477,29 @@ def sft_weights(args: argparse.Namespace, started: float) -> None:
     record("bench_learning_sft_weights", f"the demo's SFT phase in process: {'/'.join(SOURCES.split(','))} "
            f"demonstrations by each mix ({' vs '.join(m or 'alike' for m in mixes)}), {BATCH} an update, ended at "
            f"{args.sft_until_match} of every length (at most {SFT_MOST} updates), data orders 0..{args.seeds - 1}",
-           figures, started, command="bench_learning.py --sft-weights A;B")
+           figures + overall_bar_figures(runs, args.overall_bars), started, command="bench_learning.py --sft-weights A;B")
+
+
+def overall_bar_figures(runs: dict[str, list[dict[str, object]]], bars: list[float]) -> list[Figure]:
+    """For each --overall-bars bar: the post-SFT success had the phase also ended once the overall greedy match of its
+    latest updates reached the bar (where it came first), against the phase as it ran."""
+    room = 1 - GOAL_RL_GAIN
+    figures: list[Figure] = []
+    for mix, rs in runs.items():
+        for bar in bars:
+            reached = [r["bars"][bar] for r in rs if bar in r["bars"]]  # type: ignore[index,operator]
+            posts = [float(r["bars"][bar]["post_sft"]) if bar in r["bars"] else float(r["post_sft"])  # type: ignore
+                     for r in rs]
+            m, lo, hi = mean_ci(posts)
+            weakest = min((float(b["weakest"]) for b in reached), default=float("nan"))  # type: ignore[arg-type]
+            name = f"demonstrations {mix or 'alike'}, also ended at overall {bar}"
+            print(f"{name}: came first in {len(reached)}/{len(rs)}; post-SFT {m:.3f} [{lo:.3f}, {hi:.3f}], max "
+                  f"{max(posts):.3f}; {sum(p <= room for p in posts)}/{len(rs)} at or under {room:.1f}; weakest source "
+                  f"where it came first {weakest:.2f}")
+            figures += [Figure(f"{name}: post-SFT held-out greedy success, mean", m,
+                               f"[{lo:.3f}, {hi:.3f}] (runs {', '.join(f'{p:.3f}' for p in posts)}; the bar came first "
+                               f"in {len(reached)} of {len(rs)}, the weakest source then at {weakest:.2f} or more)")]
+    return figures
 
 
 def main() -> None:
@@ -486,6 +528,9 @@ def main() -> None:
                         "e.g. ';reverse-6=2': alike vs twice the 6-letter words) and data order")
     p.add_argument("--sft-until-match", type=float, default=SFT_UNTIL_MATCH, help="with --sft-weights: as the demo")
     p.add_argument("--threads", type=int, default=2, help="with --sft-weights: torch threads")
+    p.add_argument("--overall-bars", type=lambda v: [float(b) for b in v.split(",") if b], default=[], metavar="P,Q",
+                   help="with --sft-weights: also measure where the phase would end once greedy decoding wrote a share P "
+                        "of all the demonstrations of its latest updates (learner --sft-enough-match)")
     args = p.parse_args()
     started = time.monotonic()
     if args.init:

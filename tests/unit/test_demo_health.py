@@ -79,7 +79,7 @@ def test_an_sft_phase_ended_early_by_its_loss_target_is_judged_from_the_version_
 
 
 def test_the_demo_ends_its_sft_phase_by_the_greedy_match_and_counts_the_rl_phase_from_there() -> None:
-    from infra.demo import RL_UPDATES, SFT_MOST, SFT_UNTIL_MATCH, SFT_UPDATES
+    from infra.demo import RL_UPDATES, SFT_ENOUGH_MATCH, SFT_MOST, SFT_UNTIL_MATCH, SFT_UPDATES
 
     def learner_flags(argv: list[str]) -> dict[str, str]:
         learner = next(s for s in plan(parser().parse_args(argv), "ns") if s.name == "learner").argv
@@ -87,12 +87,15 @@ def test_the_demo_ends_its_sft_phase_by_the_greedy_match_and_counts_the_rl_phase
 
     flags = learner_flags([])
     assert flags["--sft-updates"] == str(SFT_MOST) and flags["--sft-until-match"] == str(SFT_UNTIL_MATCH)
+    assert flags["--sft-enough-match"] == str(SFT_ENOUGH_MATCH)
     assert flags["--rl-updates"] == str(RL_UPDATES) and "--max-updates" not in flags  # however early SFT ends
     assert flags["--warmup-updates"] == str(SFT_UPDATES // 10)  # a tenth of where it was calibrated, not of the most
     demos = next(s for s in plan(parser().parse_args([]), "ns") if s.name == "demonstrations").argv
     assert demos[demos.index("--demonstrations") + 1] == str(SFT_MOST * 64)  # enough for the longest phase
-    fixed = learner_flags(["--sft-until-match", "0", "--sft-updates", "200"])
-    assert "--sft-until-match" not in fixed and fixed["--warmup-updates"] == "20"
+    fixed = learner_flags(["--sft-until-match", "0", "--sft-enough-match", "0", "--sft-updates", "200"])
+    assert "--sft-until-match" not in fixed and "--sft-enough-match" not in fixed and fixed["--warmup-updates"] == "20"
+    enough_alone = learner_flags(["--sft-until-match", "0", "--sft-updates", "200"])
+    assert "--sft-until-match" not in enough_alone and enough_alone["--warmup-updates"] == str(SFT_UPDATES // 10)
 
 
 def test_rollout_workers_start_with_the_rl_phase_and_at_once_without_an_sft_phase() -> None:

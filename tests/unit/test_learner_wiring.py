@@ -126,6 +126,8 @@ def test_a_resume_says_which_versions_train_again_and_why() -> None:
 @pytest.mark.parametrize(("argv", "fix"), [
     (["--sft-updates", "10", "--sft-until-match", "1.5"], "give 0 < F <= 1"),
     (["--sft-until-match", "0.6"], "--sft-until-match needs --sft-updates"),
+    (["--sft-updates", "10", "--sft-enough-match", "0"], "give 0 < P <= 1"),
+    (["--sft-enough-match", "0.55"], "--sft-enough-match needs --sft-updates"),
     (["--rl-updates", "5", "--max-updates", "20"], "not both"),
     (["--rl-updates", "-1"], "--rl-updates must be >= 0"),
 ])
@@ -149,3 +151,32 @@ def test_the_sft_phase_is_judged_on_its_weakest_source_pooled_over_the_window() 
     assert weakest_source(pooled_matches(updates)) == ("reverse-6", 15 / 40)
     assert weakest_source(pooled_matches([])) is None
     assert weakest_source(pooled_matches([source_matches({"loss/sft": 1.0})])) is None
+
+
+def test_the_sft_phase_also_ends_once_greedy_decoding_writes_enough_of_all_the_demonstrations() -> None:
+    """--sft-enough-match: the short words are solved while the 6-letter ones are still under --sft-until-match;
+    the phase ends once the share of all the window's demonstrations reaches the bar, so that the RL phase has room
+    to add (a phase that waited for the 6-letter words ended at 0.785 or more held-out, and missed the RL gain)."""
+    from learner.service import sft_end_reason, source_matches
+
+    def window(short: float, long: float) -> list[dict[str, list[float]]]:
+        metrics = {"sft/greedy_match/reverse-3": short, "sft/greedy_rows/reverse-3": 16.0,
+                   "sft/greedy_match/reverse-6": long, "sft/greedy_rows/reverse-6": 32.0}
+        return [source_matches(metrics) for _ in range(5)]
+
+    both = from_args(["--ns", "wired", "--sft-updates", "160", "--sft-until-match", "0.2", "--sft-enough-match",
+                      "0.55"], env={})
+    assert sft_end_reason(both, [], window(1.0, 0.25)) == (
+        "greedy decoding wrote 0.250 of reverse-6's demonstrations (the weakest of 2 sources) in the last 5 updates "
+        "before training on them, >= 0.2")  # the weakest source decides where both would end the phase
+    assert sft_end_reason(both, [], window(1.0, 0.375)).startswith("greedy decoding wrote 0.375 of reverse-6's")
+    below = from_args(["--ns", "wired", "--sft-updates", "160", "--sft-until-match", "0.5", "--sft-enough-match",
+                       "0.55"], env={})
+    assert sft_end_reason(below, [], window(0.9, 0.39)) == (  # (16 * 0.9 + 32 * 0.39) / 48 = 0.56
+        "greedy decoding wrote 0.560 of all the demonstrations in the last 5 updates before training on them, >= 0.55")
+    assert sft_end_reason(below, [], window(0.9, 0.35)) == ""  # 0.533 of all, 0.35 of the weakest: it goes on
+    assert sft_end_reason(below, [], window(1.0, 1.0)[:4]) == ""  # not before a whole window
+    alone = from_args(["--ns", "wired", "--sft-updates", "160", "--sft-enough-match", "0.55"], env={})
+    assert sft_end_reason(alone, [], window(0.9, 0.39)).startswith("greedy decoding wrote 0.560 of all the")
+    assert sft_end_reason(from_args(["--ns", "wired", "--sft-updates", "160"], env={}), [0.1] * 5,
+                          window(1.0, 1.0)) == ""  # no bar given: the phase takes --sft-updates
