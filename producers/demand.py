@@ -39,26 +39,14 @@ class LearnerDemand:
         self._rollouts: dict[int, list[int]] = {}
 
     def shortfall(self, manifest: CheckpointManifest) -> Optional[int]:
-        """Batches the learner lacks to make the version after `manifest`'s; None when the manifest does not say
-        what it needs (an older learner) or the broker cannot say what the topic holds."""
+        """Batches of rollouts the learner lacks to make the version after `manifest`'s; None when the manifest does
+        not say what it needs (an older learner) or the broker cannot say what the topic holds. Demonstrations are
+        never a rollout worker's to make: left over from an SFT phase, they looked like batches the learner held,
+        and the worker waited out its --quota-wait-s while the learner waited for rollouts."""
         if manifest.next_batches <= 0:
             return None
-        held = self.held_since(manifest.offsets)
+        held = self.rollouts_since(manifest.offsets)
         return None if held is None else manifest.next_batches - held
-
-    def held_since(self, offsets: dict[int, int]) -> Optional[int]:
-        """Batch records the topic holds past `offsets` (per partition; a partition not in them from its start)."""
-        try:
-            marks = watermarks(self._client(), self.topic, self.timeout_s)
-        except (KafkaException, KeyError) as exc:
-            marks, why = {}, str(exc)
-        else:
-            why = "no partitions known"
-        if not marks:
-            log.warning("batches topic %s: its end is unknown (%s); the worker waits as with a fixed quota",
-                        self.topic, why)
-            return None
-        return sum(max(0, high - max(low, offsets.get(p, low))) for p, (low, high) in marks.items())
 
     def rollouts_since(self, offsets: dict[int, int]) -> Optional[int]:
         """Batches of rollouts the topic holds past `offsets`: the learner's RL phase trains on them. Batches of

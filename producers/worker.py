@@ -272,7 +272,7 @@ class RolloutWorker:
         self.yield_mark = None
         if self.settings.demand_settle_s is None or not self.settings.max_episodes_per_version or self.manifest is None:
             return
-        held = self.demand.held_since(self.manifest.offsets)
+        held = self.demand.rollouts_since(self.manifest.offsets)
         if held is not None:
             self.yield_mark = (self.stats.episodes, held)
 

@@ -22,11 +22,11 @@ def test_the_shortfall_is_what_the_next_version_needs_less_the_batches_past_the_
         stack: Settings, topics: Topics) -> None:
     pub = Publisher(stack)
     for i in range(5):
-        pub.send(topics.batches, None, f"batch-{i}".encode())
+        pub.send(topics.batches, None, batch_record(i, 2), partition=0)
     pub.close()
     demand = LearnerDemand(stack, topics)
     try:
-        assert demand.held_since({}) == 5  # a version before any batch was read: the whole topic
+        assert demand.shortfall(manifest({}, 7)) == 2  # a version before any batch was read: the whole topic
         assert demand.shortfall(manifest({0: 2}, 4)) == 1  # 3 held past offset 2, 4 needed
         assert demand.shortfall(manifest({0: 1}, 4)) == 0
         assert demand.shortfall(manifest({0: 0}, 2)) == -3  # more than it needs: a worker waits
@@ -57,8 +57,8 @@ def test_the_rollouts_queued_past_a_versions_offsets_leave_out_demonstrations_an
     pub.close()
     demand = LearnerDemand(stack, topics)
     try:
-        assert demand.held_since({}) == 9  # every record
-        assert demand.rollouts_since({}) == 3
+        assert demand.rollouts_since({}) == 3  # of 9 records
+        assert demand.shortfall(manifest({}, 2)) == -1
         assert demand.rollouts_since({0: 7}) == 2  # past the first rollout batch (offset 6)
         pub = Publisher(stack)
         pub.send(topics.batches, None, batch_record(8, 5), partition=0)

@@ -291,14 +291,6 @@ def test_a_worker_makes_exactly_its_quota_of_episodes_per_version(stack: Setting
     assert len(events_by_episode(stack, topics)) == 20
 
 
-def add_batches(stack: Settings, topics: Topics, n: int) -> None:
-    """n records on the batches topic: what the learner's demand counts."""
-    pub = Publisher(stack)
-    for i in range(n):
-        pub.send(topics.batches, None, f"batch-{i}".encode())
-    pub.close()
-
-
 def add_batch_records(stack: Settings, topics: Topics, n: int, version: int) -> None:
     """n batch records as the shard writer writes them, of rollouts of `version` or of demonstrations (-1)."""
     pub = Publisher(stack)
@@ -331,7 +323,7 @@ def test_a_worker_past_its_quota_makes_what_the_learner_lacks_at_the_rate_its_ep
     worker = RolloutWorker(settings, stack)
     base = {k: v.clone() for k, v in worker.backend.model.state_dict().items() if k != "lm_head.weight"}
 
-    add_batches(stack, topics, 1)
+    add_batch_records(stack, topics, 1, version=0)
     publish_checkpoint(stack, store, topics, 0, base, next_batches=8)
     worker.follower.start()
     steps, waits = [], []
@@ -339,9 +331,9 @@ def test_a_worker_past_its_quota_makes_what_the_learner_lacks_at_the_rate_its_ep
         worker.wait_for_published_weights()
         for i in range(5):
             if i == 2:
-                add_batches(stack, topics, 4)  # what the quota's 8 episodes added
+                add_batch_records(stack, topics, 4, version=0)  # what the quota's 8 episodes added
             if i == 4:
-                add_batches(stack, topics, 3)  # the learner has its 8 batches: the wait before the next step is for v1
+                add_batch_records(stack, topics, 3, version=0)  # the learner has its 8 batches: the wait before the next step is for v1
             made = worker.stats.episodes
             worker.step()
             steps.append(worker.stats.episodes - made)
@@ -409,7 +401,7 @@ def test_a_worker_whose_episodes_added_no_batch_makes_a_whole_quota_more_at_most
                               demand_settle_s=0.3, max_policy_lag=9)
     worker = RolloutWorker(settings, stack)
     base = {k: v.clone() for k, v in worker.backend.model.state_dict().items() if k != "lm_head.weight"}
-    add_batches(stack, topics, 1)
+    add_batch_records(stack, topics, 1, version=0)
     publish_checkpoint(stack, store, topics, 0, base, next_batches=4)
     worker.follower.start()
     try:
@@ -417,6 +409,29 @@ def test_a_worker_whose_episodes_added_no_batch_makes_a_whole_quota_more_at_most
         worker.step()
         worker.step()
         assert worker.episodes_the_learner_lacks(waited_s=1.0) == 8
+    finally:
+        close_worker(worker)
+
+
+def test_left_over_demonstrations_do_not_count_as_batches_the_learner_holds_for_its_next_version(
+        stack: Settings, topics: Topics, store: ObjectStore) -> None:
+    """v0 says the next version trains 2 batches; the topic holds only 6 batches of demonstrations left over from
+    an SFT phase, which the RL phase skips. The worker's quota of 4 is made and none of its batches has arrived:
+    the learner lacks both batches, so the worker makes another quota instead of waiting out --quota-wait-s."""
+    settings = WorkerSettings(ns=topics.ns, producer_id="leftover", group_size=2, max_new_tokens=4, layers=2,
+                              width=64, prompts_per_step=2, max_episodes_per_version=4, quota_wait_s=3.0,
+                              demand_settle_s=0.3, max_policy_lag=9)
+    worker = RolloutWorker(settings, stack)
+    base = {k: v.clone() for k, v in worker.backend.model.state_dict().items() if k != "lm_head.weight"}
+    add_batch_records(stack, topics, 6, version=-1)
+    publish_checkpoint(stack, store, topics, 0, base, next_batches=2)
+    worker.follower.start()
+    try:
+        worker.wait_for_published_weights()
+        worker.step()
+        assert worker.stats.episodes == 4
+        assert worker.demand.shortfall(worker.manifest) == 2  # type: ignore[arg-type]
+        assert worker.episodes_the_learner_lacks(waited_s=1.0) == 4
     finally:
         close_worker(worker)
 
