@@ -137,7 +137,16 @@ def dump_group(group: Union[GroupValue, PartitionCounts]) -> bytes:
         return MEMBER_TAG + group.raw
     return GROUP_SUMMARY_TAG + _json({"group_id": group.group_id, "size": group.size, "first_ts": group.first_ts,
                                       "partition": group.partition,
-                                      "members": [dataclasses.asdict(m.summary) for m in group.members]})
+                                      "members": [_summary_fields(m.summary) for m in group.members]})
+
+
+SUMMARY_FIELDS = tuple(f.name for f in dataclasses.fields(Summary))
+
+
+def _summary_fields(summary: Summary) -> dict[str, Any]:
+    """A member's summary as `dataclasses.asdict` gives it (its fields are flat), at a tenth of the cost: every
+    write of an open group dumps all of its members again."""
+    return {name: getattr(summary, name) for name in SUMMARY_FIELDS}
 
 
 def load_group(data: bytes) -> Union[GroupValue, PartitionCounts]:
