@@ -69,11 +69,11 @@ SFT_UNTIL_MATCH = 0.2
 # ... or once greedy decoding writes SFT_ENOUGH_MATCH of all the demonstrations of its last 5 updates (learner
 # --sft-enough-match): with the 6-letter words still under the bar, the shorter ones are solved by then, and a phase
 # that waited for the 6-letter ones ended at 0.773-0.797 held-out (runs AD, AK2), leaving the RL phase no room for
-# +0.2. In process over 12 data orders (`bench_learning.py --sft-weights reverse-6=2 --overall-bars 0.5,0.55,0.6`),
-# 0.55 came first in the 3 runs that ended highest (0.785 -> 0.734, 0.738 -> 0.656, 0.730 -> 0.621; the last left
-# 6-letter words at 0.08 held-out); 0.5 came first in 6, also cutting runs that ended at 0.57-0.68; 0.6 in the same
-# 3 (to 0.707-0.734), but in the logs of runs AJ and AK2 it came with the weakest length's bar, where 0.55 would
-# have ended AK2's phase 7 updates earlier.
+# +0.2. In process over 24 data orders (`bench_learning.py --sft-weights reverse-6=2 --overall-bars 0.55,0.6`), 0.55
+# came first in 8, the 3 that ended highest among them (0.785 -> 0.734, 0.738 -> 0.656, 0.730 -> 0.621; one left
+# 6-letter words at 0.08 held-out): post-SFT mean 0.652 -> 0.635, highest 0.785 -> 0.734. 0.5 (orders 0-11) also
+# cut runs ending at 0.57-0.68; 0.6 came first in 3 of 24, but in the logs of runs AJ and AK2 it came with the
+# weakest length's bar, where 0.55 would have ended AK2's phase 7 updates earlier.
 SFT_ENOUGH_MATCH = 0.55
 SFT_MOST = 160
 # GRPO updates after the SFT phase. Held-out greedy success had reached 0.96-0.99 38-40 updates after it in three

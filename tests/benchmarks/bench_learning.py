@@ -442,11 +442,11 @@ def sft_phase(weights: str, seed: int, args: argparse.Namespace) -> dict[str, ob
 
 
 def sft_weights(args: argparse.Namespace, started: float) -> None:
-    """Each demonstration mix of --sft-weights over data orders 0..--seeds - 1, taking turns: where the demo's SFT
-    phase ends and how much room it leaves the RL phase."""
+    """Each demonstration mix of --sft-weights over --seeds data orders from --first-seed, taking turns: where the
+    demo's SFT phase ends and how much room it leaves the RL phase."""
     mixes = args.sft_weights.split(";")
     runs: dict[str, list[dict[str, object]]] = {m: [] for m in mixes}
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for mix in mixes:
             r = sft_phase(mix, seed, args)
             runs[mix].append(r)
@@ -476,7 +476,8 @@ def sft_weights(args: argparse.Namespace, started: float) -> None:
                    f"updates (runs {', '.join(f'{e:.0f}' for e in ends)})")]
     record("bench_learning_sft_weights", f"the demo's SFT phase in process: {'/'.join(SOURCES.split(','))} "
            f"demonstrations by each mix ({' vs '.join(m or 'alike' for m in mixes)}), {BATCH} an update, ended at "
-           f"{args.sft_until_match} of every length (at most {SFT_MOST} updates), data orders 0..{args.seeds - 1}",
+           f"{args.sft_until_match} of every length (at most {SFT_MOST} updates), data orders "
+           f"{args.first_seed}..{args.first_seed + args.seeds - 1}",
            figures + overall_bar_figures(runs, args.overall_bars), started, command="bench_learning.py --sft-weights A;B")
 
 
@@ -523,6 +524,8 @@ def main() -> None:
                    help="the synchronous loop alone, once per SFT length and data order: which length meets the "
                         "demo's learning goals more often")
     p.add_argument("--seeds", type=int, default=6, help="with --sft-lengths or --sft-weights: data orders")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="with --sft-weights: the first data order (to add orders to an earlier calibration)")
     p.add_argument("--sft-weights", default=None, metavar="A;B",
                    help="the demo's SFT phase alone, once per demonstration mix (';'-separated teacher --weights, "
                         "e.g. ';reverse-6=2': alike vs twice the 6-letter words) and data order")
