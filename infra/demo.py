@@ -41,7 +41,7 @@ from infra.supervisor import Service, Supervisor
 from schemas.codec import codec
 from schemas.errors import ConfigError, DecodeError
 from schemas.keys import checkpoint_prefix
-from schemas.manifests import LEARNER_FINISHED_LINE, CheckpointManifest
+from schemas.manifests import LEARNER_FINISHED_LINE, SFT_PHASE_ENDS_LINE, CheckpointManifest
 from schemas.records import CheckpointPublished
 from schemas.topics import Topics
 
@@ -386,6 +386,37 @@ def report(run: Run) -> int:
                            stdout=subprocess.DEVNULL)
 
 
+def sft_phase_end(run: Run) -> str:
+    """The learner's own words on where its SFT phase ended and why ("" when it ran all --sft-updates or had none)."""
+    log = run.dir / "logs" / "learner.log"
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return next((line.strip() for line in reversed(lines) if line.startswith(SFT_PHASE_ENDS_LINE)), "")
+
+
+def learning_section(results: list[dict[str, Any]], goal_lines: list[str], problems: list[str], sft_end: str) -> str:
+    """The run's held-out evaluation as a section of summary.md: the learning curve, every version evaluated with its
+    95% interval and success per task source, the SFT phase's end, the goals and what made the run unhealthy."""
+    out = ["", "## Held-out evaluation", "", "![learning_curve](learning_curve.png)", ""]
+    if sft_end:
+        out += [f"{sft_end}.", ""]
+    if results:
+        sources = sorted({s for r in results for s in r.get("by_source", {})})
+        out += ["| version | phase | mode | success [95%] | episodes | reward | " + " | ".join(sources) + " |",
+                "|---|---|---|---|---|---|" + "---|" * len(sources)]
+        for r in sorted(results, key=lambda r: (r["mode"], r["version"])):
+            by = r.get("by_source", {})
+            cells = [f"{by[s][0] / by[s][1]:.2f}" if by.get(s) and by[s][1] else "" for s in sources]
+            out.append(f"| v{r['version']} | {r.get('phase', '')} | {r['mode']} | {r['success']:.3f} "
+                       f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['episodes']} | {r['reward_mean']:.3f} | "
+                       + " | ".join(cells) + " |")
+        out.append("")
+    else:
+        out += ["No version was evaluated: see logs/eval.log.", ""]
+    out += [f"- {line}" for line in goal_lines]
+    out += [f"- unhealthy: {problem}" for problem in problems] or ["- healthy run"]
+    return "\n".join(out) + "\n"
+
+
 def key_results(results: list[dict[str, Any]], args: argparse.Namespace, mode: str = "greedy"
                 ) -> dict[str, dict[str, Any]]:
     """Held-out results of the initial, post-SFT and final policy in one mode."""
@@ -622,6 +653,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     goal_lines = goals(results, args) + time_goal(minutes, args)
     (run.dir / "health.json").write_text(json.dumps({"problems": problems, "minutes": round(minutes, 2),
                                                      "goals": goal_lines}, indent=2))
+    with open(run.dir / "summary.md", "a") as summary:  # after the monitor's report of the topics
+        summary.write(learning_section(results, goal_lines, problems, sft_phase_end(run)))
     for r in sorted(results, key=lambda r: (r["mode"], r["version"])):
         console.print(f"v{r['version']:<4} {r['phase']:>7} {r['mode']:>7}: held-out success {r['success']:.3f} "
                       f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}] of {r['episodes']}, reward {r['reward_mean']:.3f}, "

@@ -41,7 +41,7 @@ from learner.model import build_policy, frozen_reference
 from learner.settings import SFT_LOSS_WINDOW, SFT_MATCH_WINDOW, LearnerSettings, shaping_args
 from learner.update import GREEDY_MATCH, ROWS, Lineage, TrainConfig, Trainer, select_trajectories
 from schemas.codec import codec
-from schemas.manifests import LEARNER_FINISHED_LINE, CheckpointManifest
+from schemas.manifests import LEARNER_FINISHED_LINE, SFT_PHASE_ENDS_LINE, CheckpointManifest
 from schemas.errors import CheckpointError, ConfigError, PipelineError
 from schemas.records import PipelineMetric, Trajectory
 
@@ -137,7 +137,7 @@ class PolicyHolder:
         if why and self.updates < self.s.sft_updates:
             self.sft_end = self.updates
             if self.world.leader:
-                print(f"SFT phase ends after {self.updates} of at most {self.s.sft_updates} updates: {why}",
+                print(f"{SFT_PHASE_ENDS_LINE} {self.updates} of at most {self.s.sft_updates} updates: {why}",
                       file=sys.stderr, flush=True)
 
     def make_trainer(self, algorithm: str) -> Trainer:

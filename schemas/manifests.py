@@ -26,6 +26,8 @@ def has_moments(names: Iterable[str]) -> bool:
 # The learner says this on stderr when it made its last update (--max-updates, or --rl-updates after the SFT
 # phase), followed by the update count: a supervisor reads it to know the run is over.
 LEARNER_FINISHED_LINE = "made its last update:"
+# ... and this, followed by the update count and why, when its SFT phase ends before --sft-updates.
+SFT_PHASE_ENDS_LINE = "SFT phase ends after"
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.demo import PRESETS, apply_preset, free_port, goals, curve_versions, healthy, main, parser, plan, sft_version
+from infra.demo import (PRESETS, Run, apply_preset, curve_versions, free_port, goals, healthy, learning_section, main, parser,
+                        plan, sft_phase_end, sft_version)
 from learner.eval import Evaluation, wilson
 from schemas.errors import PipelineError
 
@@ -300,3 +301,38 @@ def test_the_gpu_script_runs_the_demo_with_options_the_demo_has() -> None:
     args = apply_preset(parser().parse_args(argv), argv)
     assert (args.model, args.backend, args.learner_device, args.rl_updates) == ("smollm2-135m", "vllm", "cuda", 60)
     assert args.batch_trajectories == 64 and args.sources == PRESETS["smollm2"]["sources"]
+
+
+def test_the_runs_report_ends_with_its_held_out_evaluation_and_where_the_sft_phase_ended(tmp_path: Path) -> None:
+    """summary.md (the monitor's report of the topics) gains the demo's own verdict: the learning curve, every
+    version evaluated with its interval and per-source success, the learner's line on the SFT phase's end, the
+    goals, and what made a run unhealthy."""
+    from infra.settings import Settings
+    from infra.supervisor import Supervisor
+    from schemas.manifests import SFT_PHASE_ENDS_LINE
+
+    settings = Settings("127.0.0.1:1", "http://127.0.0.1:1", "key", "secret")
+    run = Run("ns", tmp_path, settings, Supervisor(settings, tmp_path / "logs"))
+    assert sft_phase_end(run) == ""  # no learner log (yet)
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    ended = (f"{SFT_PHASE_ENDS_LINE} 114 of at most 160 updates: greedy decoding wrote 0.213 of builtin:reverse-6's "
+             "demonstrations (the weakest of 4 sources) in the last 5 updates before training on them, >= 0.2")
+    (tmp_path / "logs" / "learner.log").write_text(f"update 114/164 [sft] v5 loss 0.55\n{ended}\nupdate 115/164 [grpo]\n")
+    assert sft_phase_end(run) == ended
+    results = [{**_result(0, "greedy", 0), "phase": "initial", "episodes": 256, "reward_mean": -0.4,
+                "by_source": {"builtin:reverse-3": [0, 63], "builtin:reverse-6": [0, 66]}},
+               {**_result(57, "greedy", 248), "phase": "rl", "episodes": 256, "reward_mean": 1.17,
+                "by_source": {"builtin:reverse-3": [61, 63], "builtin:reverse-6": [63, 66]}},
+               {**_result(57, "sampled", 230), "phase": "rl", "episodes": 256, "reward_mean": 1.1, "by_source": {}}]
+    section = learning_section(results, ["greedy: final held-out success 0.969 (goal 0.8: met)"], [], ended)
+    lines = section.splitlines()
+    assert "## Held-out evaluation" in lines and "![learning_curve](learning_curve.png)" in lines
+    assert f"{ended}." in lines
+    assert "| version | phase | mode | success [95%] | episodes | reward | builtin:reverse-3 | builtin:reverse-6 |" in lines
+    low, high = wilson(248, 256)
+    assert f"| v57 | rl | greedy | 0.969 [{low:.3f}, {high:.3f}] | 256 | 1.170 | 0.97 | 0.95 |" in lines
+    assert any(line.startswith("| v57 | rl | sampled | 0.898 ") and line.endswith("|  |  |") for line in lines)
+    assert lines[-2:] == ["- greedy: final held-out success 0.969 (goal 0.8: met)", "- healthy run"]
+    failed = learning_section([], [], ["no version was evaluated"], "")
+    assert "No version was evaluated: see logs/eval.log." in failed and "- unhealthy: no version was evaluated" in failed
+    assert SFT_PHASE_ENDS_LINE not in failed
