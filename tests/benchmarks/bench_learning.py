@@ -54,8 +54,8 @@ from learner import checkpoint_store  # noqa: E402
 from learner.checkpoint_files import CheckpointState, load_model_tensors, read_checkpoint, unflatten_optimizer_state  # noqa: E402
 from learner.eval import EVAL_SEED, wilson  # noqa: E402
 from learner.model import build_policy  # noqa: E402
-from learner.service import overall_match, pooled_matches, source_matches, weakest_source  # noqa: E402
-from learner.settings import SFT_MATCH_WINDOW, parse_init  # noqa: E402
+from learner.service import pooled_matches, sft_end_reason, source_matches, weakest_source  # noqa: E402
+from learner.settings import SFT_MATCH_WINDOW, LearnerSettings, parse_init  # noqa: E402
 from learner.update import TrainConfig, Trainer  # noqa: E402
 from producers.demonstrations import demonstration_events  # noqa: E402
 from producers.episodes import EpisodeRunner  # noqa: E402
@@ -416,7 +416,10 @@ def sft_phase(weights: str, seed: int, args: argparse.Namespace) -> dict[str, ob
         wins = sum(w for w, _ in by_length.values())
         return wins / len(heldout), {n: w / k for n, (w, k) in sorted(by_length.items())}
 
-    # Where the phase would have ended had it also ended once the overall greedy match reached each bar
+    # The learner's own rules: the demo's (the weakest source), and each --overall-bars bar (--sft-enough-match),
+    # where the phase would have ended had it also ended there
+    demo_rule = LearnerSettings(ns="sync", sft_updates=SFT_MOST, sft_until_match=args.sft_until_match)
+    bar_rules = {bar: LearnerSettings(ns="sync", sft_updates=SFT_MOST, sft_enough_match=bar) for bar in args.overall_bars}
     bars: dict[float, dict[str, object]] = {}
     measuring = 0.0  # seconds in those measurements, not the phase's
     for update in range(1, SFT_MOST + 1):
@@ -425,12 +428,11 @@ def sft_phase(weights: str, seed: int, args: argparse.Namespace) -> dict[str, ob
                  for e in demonstration_events(teacher.next(), backend.tokenizer, "sync", "demonstrations")]
         metrics = trainer.step(score_events(demos, scorer), current_version=0)
         window = [*window, source_matches(metrics)][-SFT_MATCH_WINDOW:]
-        weakest = weakest_source(pooled_matches(window))
-        if len(window) == SFT_MATCH_WINDOW and weakest is not None and weakest[1] >= args.sft_until_match:
+        if sft_end_reason(demo_rule, [], window):
             break
-        overall = overall_match(window)
-        for bar in args.overall_bars:
-            if len(window) == SFT_MATCH_WINDOW and overall is not None and overall >= bar and bar not in bars:
+        for bar, rule in bar_rules.items():
+            if bar not in bars and sft_end_reason(rule, [], window):
+                weakest = weakest_source(pooled_matches(window))
                 before = time.perf_counter()
                 post, by_length = heldout_success()
                 measuring += time.perf_counter() - before
