@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, ClusterMetadata, ConfigResource, NewTopic
@@ -20,6 +21,7 @@ class BootstrapReport:
     created: list[str] = field(default_factory=list)
     existing: list[str] = field(default_factory=list)
     bucket_created: bool = False
+    brokers: list[int] = field(default_factory=list)  # each listed every topic before bootstrap returned
 
 
 def create_topics(settings: Settings, topics: Topics, timeout: float = 30.0) -> BootstrapReport:
@@ -43,7 +45,7 @@ def create_topics(settings: Settings, topics: Topics, timeout: float = 30.0) -> 
                 if exc.args[0].name() != "TOPIC_ALREADY_EXISTS":
                     raise InfraError(f"cannot create topic {name}: {exc}") from exc
                 report.existing.append(name)
-    wait_until_every_broker_knows(settings, [s.name for s in topics.specs()], timeout)
+    report.brokers = wait_until_every_broker_knows(settings, [s.name for s in topics.specs()], timeout)
     return report
 
 
@@ -53,24 +55,51 @@ def _known(meta: ClusterMetadata, name: str) -> bool:
             and all(p.leader >= 0 for p in found.partitions.values()))
 
 
-def wait_until_every_broker_knows(settings: Settings, names: list[str], timeout: float = 30.0) -> None:
-    """Return once each broker of the cluster lists every topic in `names` with a leader for each partition.
-    CreateTopics answers when the controller has committed the topics; a broker applies that a moment later,
-    and a client that asks it in between hears "unknown topic" (on three brokers, one bootstrap in two)."""
-    brokers = [f"{b.host}:{b.port}" for b in admin(settings).list_topics(timeout=timeout).brokers.values()]
+def _answered_by(meta: ClusterMetadata, ids_by_address: dict[str, int]) -> Optional[int]:
+    """The id of the broker that answered: librdkafka names its first connection "host:port/bootstrap" (id -1)."""
+    if meta.orig_broker_id >= 0:
+        return int(meta.orig_broker_id)
+    return ids_by_address.get(str(meta.orig_broker_name).rsplit("/", 1)[0])
+
+
+def wait_until_every_broker_knows(settings: Settings, names: list[str], timeout: float = 30.0) -> list[int]:
+    """Return (the ids of the cluster's brokers) once each broker has listed every topic in `names` with a leader
+    for each partition. CreateTopics answers when the controller has committed the topics; a broker applies that
+    a moment later, and a client that asks it in between hears "unknown topic".
+
+    Which broker answers a metadata request is librdkafka's choice, not the address the client was given: a client
+    bootstrapped at broker 1 was answered by broker 2 fifteen times in fifteen. So each answer counts for the
+    broker whose id it carries, and a broker that does not answer yet (starting, paused) is asked again."""
+    brokers = {b.id: f"{b.host}:{b.port}" for b in admin(settings).list_topics(timeout=timeout).brokers.values()}
+    ids_by_address = {address: i for i, address in brokers.items()}
     deadline = time.monotonic() + timeout
-    for address in brokers:
-        # a client that knows one address asks that broker first
-        client = AdminClient({"bootstrap.servers": address})
-        while True:
-            meta = client.list_topics(timeout=max(1.0, deadline - time.monotonic()))
+    confirmed: set[int] = set()
+    lacking: dict[int, list[str]] = {}
+    while True:
+        for address in [a for i, a in brokers.items() if i not in confirmed]:
+            try:
+                meta = AdminClient({"bootstrap.servers": address}).list_topics(
+                    timeout=max(1.0, min(5.0, deadline - time.monotonic())))
+            except KafkaException:
+                continue
+            broker = _answered_by(meta, ids_by_address)
+            if broker is None:
+                continue
             missing = [n for n in names if not _known(meta, n)]
-            if not missing:
-                break
-            if time.monotonic() >= deadline:
-                raise InfraError(f"broker {address} still does not list {', '.join(missing)} {timeout:.0f} s "
-                                 "after they were created")
-            time.sleep(0.1)
+            if missing:
+                lacking[broker] = missing
+            else:
+                confirmed.add(broker)
+                lacking.pop(broker, None)
+        if confirmed >= set(brokers):
+            return sorted(brokers)
+        if time.monotonic() >= deadline:
+            unheard = sorted(set(brokers) - confirmed - set(lacking))
+            raise InfraError("; ".join(
+                [f"broker {i} ({brokers[i]}) still does not list {', '.join(m)}" for i, m in sorted(lacking.items())]
+                + [f"broker {i} ({brokers[i]}) did not answer" for i in unheard])
+                + f" {timeout:.0f} s after the topics were created")
+        time.sleep(0.1)
 
 
 def topic_config(settings: Settings, topic: str, timeout: float = 10.0) -> dict[str, str]:
