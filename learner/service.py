@@ -13,6 +13,7 @@ announced version with the same weights (on CPU bit for bit), and goes on from t
 """
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
 import time
@@ -28,6 +29,7 @@ from infra.objectstore import ObjectStore
 from infra.settings import Settings
 from learner import checkpoint_store, sharding
 from learner.checkpoint_files import (
+    CheckpointState,
     file_entries,
     load_model_tensors,
     model_tensors,
@@ -357,7 +359,7 @@ class LearnerService(PolicyHolder):
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def checkpoint(self, initial: bool = False, final: bool = False) -> None:
-        """Write the next version's files in memory now, then store, announce and commit them: in a background
+        """Copy the next version's state now, then write, store, announce and commit it: in a background
         thread that overlaps the next update (one in flight at most, so versions are announced in order), or
         here with --foreground-checkpoints. Either way a crash before the announcement resumes from the
         version before, which is what a crash mid-update does."""
@@ -374,10 +376,11 @@ class LearnerService(PolicyHolder):
         state.trainer.update(updates=self.updates, version=self.version, trained_batch_ids=self.trained_ids,
                              learner_args=shaping_args(self.s), sft_end=self.sft_end, sft_losses=self.sft_losses,
                              sft_matches=self.sft_matches)
-        files = write_checkpoint(state, moments=state.optimizer is not None, broadcast_bf16=self.s.broadcast_bf16)
+        # The manifest now, without its files: their bytes and sha256 are written in publish, off the update loop
+        # (a fifth of the learner's main thread on the tiny model); `state` is a copy the next update cannot change.
         manifest = CheckpointManifest(
             run=self.s.ns, version=self.version, step=self.updates, algorithm=self.trainer.config.algorithm,
-            files=file_entries(files), offsets=offsets, batch_ids=[b for b in self.pending_ids if b not in self.skipped],
+            files={}, offsets=offsets, batch_ids=[b for b in self.pending_ids if b not in self.skipped],
             model_config=state.model_config, created_ts=int(time.time() * 1000), skipped_batches=dict(self.skipped),
             base_model=self.s.model_dir or "", untrained=dict(self.untrained),
             init_from=f"{self.s.init_from[0]}:v{self.s.init_from[1]}" if self.s.init_from and initial else "",
@@ -388,14 +391,17 @@ class LearnerService(PolicyHolder):
         if not self.lineage.ancestors:  # the reader's test counts in this run's versions only
             self.reader.set_policy_version(self.version)
         if initial or self.s.foreground_checkpoints:
-            self.publish(manifest, files, offsets)
+            self.publish(state, manifest, offsets)
         else:
-            self.publishing = self.background.submit(self.publish, manifest, files, offsets)
+            self.publishing = self.background.submit(self.publish, state, manifest, offsets)
         self.timing["checkpoint_s"] += time.monotonic() - started
 
-    def publish(self, manifest: CheckpointManifest, files: dict[str, bytes], offsets: dict[int, int]) -> None:
-        """Store the files (each verified), announce the version, commit the batch offsets it consumed, prune."""
+    def publish(self, state: CheckpointState, manifest: CheckpointManifest, offsets: dict[int, int]) -> None:
+        """Write the version's files, store them (each verified) with the manifest that lists them, announce the
+        version, commit the batch offsets it consumed, prune."""
         started = time.monotonic()
+        files = write_checkpoint(state, moments=state.optimizer is not None, broadcast_bf16=self.s.broadcast_bf16)
+        manifest = dataclasses.replace(manifest, files=file_entries(files))
         key, sha = checkpoint_store.store_files(self.store, self.s.ns, manifest.version, files, manifest)
         fault_point("after_save")
         checkpoint_store.announce(self.announcer, self.topics, self.store, manifest, key, sha)
