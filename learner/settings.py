@@ -222,9 +222,10 @@ def parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
     p.add_argument("--sft-min-reward", type=float, default=1.0, help="reward a trajectory needs for SFT")
     p.add_argument("--cpu-bf16", action="store_true", help="bfloat16 autocast on the CPU")
     p.add_argument("--foreground-checkpoints", action="store_true",
-                   help="store, announce and commit each checkpoint before the next update starts (default: its "
-                        "files are written in memory at once, then stored and announced by a background thread "
-                        "while the next update trains; at most one in flight, same order, same resume point)")
+                   help="write, store, announce and commit each checkpoint before the next update starts "
+                        "(default: its weights and moments are copied at once, then written, stored and announced "
+                        "by a background thread while the next update trains; at most one in flight, same order, "
+                        "same resume point)")
     p.add_argument("--broadcast-bf16", action="store_true",
                    help="each version also carries its weights rounded to bfloat16 (model.bf16.safetensors, half "
                         "the float32 file): rollout workers following the learner download and generate with "
