@@ -391,12 +391,12 @@ class LearnerService(PolicyHolder):
         if not self.lineage.ancestors:  # the reader's test counts in this run's versions only
             self.reader.set_policy_version(self.version)
         if initial or self.s.foreground_checkpoints:
-            self.publish(state, manifest, offsets)
+            self.publish(state, manifest)
         else:
-            self.publishing = self.background.submit(self.publish, state, manifest, offsets)
+            self.publishing = self.background.submit(self.publish, state, manifest)
         self.timing["checkpoint_s"] += time.monotonic() - started
 
-    def publish(self, state: CheckpointState, manifest: CheckpointManifest, offsets: dict[int, int]) -> None:
+    def publish(self, state: CheckpointState, manifest: CheckpointManifest) -> None:
         """Write the version's files, store them (each verified) with the manifest that lists them, announce the
         version, commit the batch offsets it consumed, prune."""
         started = time.monotonic()
@@ -406,8 +406,8 @@ class LearnerService(PolicyHolder):
         fault_point("after_save")
         checkpoint_store.announce(self.announcer, self.topics, self.store, manifest, key, sha)
         fault_point("after_publish")
-        if offsets:
-            self.reader.commit(offsets)
+        if manifest.offsets:
+            self.reader.commit(manifest.offsets)
         self.let_go(manifest.version, manifest.has_moments)
         self.timing["publish_s"] += time.monotonic() - started
         self.published_bytes += sum(len(data) for data in files.values())
