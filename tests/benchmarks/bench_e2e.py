@@ -1,7 +1,7 @@
 """End-to-end benchmark: the streaming pipeline (every service a process) versus a synchronous in-process
 loop (generate, score, train, repeat) for the same model, tasks and number of updates.
 
-    python tests/benchmarks/bench_e2e.py [--updates 12] [--repeats 3] [--checker-s 1.0]
+    python tests/benchmarks/bench_e2e.py [--updates 12] [--repeats 3] [--checker-s 1.0] [--tokens 12,24,48,96]
 
 Both sides use the same code for each stage (rollout episodes, assembly, reward, group advantages,
 GRPO update); the synchronous loop calls it in turn, the pipeline overlaps it across processes.
@@ -11,6 +11,11 @@ example environment package, installed for the run): an answer is checked by a r
 second try, a wait of --checker-s that uses no CPU, as a compile farm, a game engine or a judge model costs
 the rollout worker. The loop waits for it every step; the pipeline's rollout workers wait while the others
 generate and the learner trains.
+
+Then math-easy again with more generated tokens a turn (--tokens, 6 in the first run): an update's compute
+grows with them, what each version costs (store, announce, fetch, load, the path through streams and a
+shard) does not. Where that crosses the goal goes to runs/bench/e2e_tokens.png, with where each side's
+seconds go.
 """
 from __future__ import annotations
 
@@ -25,12 +30,17 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import matplotlib  # noqa: E402
 import torch  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 
 from infra.bootstrap import bootstrap  # noqa: E402
 from infra.kafka import end_offsets  # noqa: E402
@@ -49,7 +59,7 @@ from schemas.records import RolloutEvent, SourcePosition, Trajectory  # noqa: E4
 from schemas.topics import Topics  # noqa: E402
 from streams import assembly, grouping  # noqa: E402
 from streams.scoring import Scorer  # noqa: E402
-from tests.benchmarks.report import Figure, process_cpu_seconds, record, scratch  # noqa: E402
+from tests.benchmarks.report import Figure, bench_dir, process_cpu_seconds, record, scratch  # noqa: E402
 from tests.environment_package import install, on_path  # noqa: E402
 
 GROUP, PROMPTS, NEW_TOKENS, LAYERS, WIDTH, BATCH = 8, 4, 6, 4, 256, 64
@@ -61,6 +71,7 @@ class Workload:
     source: str
     producers: int  # rollout workers of the pipeline
     env: dict[str, str] = field(default_factory=dict)  # for every process (and this one, for the loop)
+    new_tokens: int = NEW_TOKENS  # generated a turn: the compute an update costs, beside what a version costs
 
 
 def remote_checker(checker_s: float) -> Workload:
@@ -99,7 +110,7 @@ def synchronous(updates: int, workload: Workload, prompts: int = PROMPTS) -> dic
     """The loop, `prompts` prompts (of GROUP episodes each) a step."""
     os.environ.update({k: v for k, v in workload.env.items() if k != "PYTHONPATH"})  # this process: sys.path
     settings = WorkerSettings(ns="sync", producer_id="sync", group_size=GROUP, prompts_per_step=prompts,
-                              max_new_tokens=NEW_TOKENS, tool_workers=GROUP * prompts)  # one wait a turn
+                              max_new_tokens=workload.new_tokens, tool_workers=GROUP * prompts)  # one wait a turn
     backend = make_backend("transformers", None, seed=0, config=tiny_llama_config(layers=LAYERS, width=WIDTH))
     code = SandboxCodeRunner(None, workers=2)
     events: list[RolloutEvent] = []
@@ -152,7 +163,7 @@ def reap(proc: subprocess.Popen, timeout: float) -> float:  # type: ignore[type-
             return usage.ru_utime + usage.ru_stime
         time.sleep(0.1)
     proc.kill()
-    raise TimeoutError(f"{proc.args} still running after {timeout:.0f} s")
+    raise TimeoutError(f"{proc.args!r} still running after {timeout:.0f} s")
 
 
 def steady(done_at: list[float]) -> float:
@@ -190,7 +201,7 @@ def pipeline(updates: int, settings: Settings, workload: Workload, *learner_args
         "learner": ["learner", "--ns", ns, "--max-updates", str(updates), "--updates-per-checkpoint", "1",
                     "--lr", "1e-3", "--cache-dir", tmp, *model, *learner_args],
         **{f"producer-{i}": ["producers", "--ns", ns, "--sources", workload.source, "--group-size", str(GROUP),
-                             "--prompts-per-step", str(PROMPTS), "--max-new-tokens", str(NEW_TOKENS),
+                             "--prompts-per-step", str(PROMPTS), "--max-new-tokens", str(workload.new_tokens),
                              "--max-policy-lag", "1", "--max-episodes-per-version", str(BATCH * 3 // 4),
                              "--tool-workers", str(GROUP * PROMPTS), "--producer-id", f"p{i}", "--seed", str(i),
                              *model, *producer_args] for i in range(workload.producers)},
@@ -244,6 +255,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="math-easy measured this many times (median reported)")
     p.add_argument("--checker-s", type=float, default=1.0,
                    help="seconds the vowels-remote checker takes to answer (0: that workload is not run)")
+    p.add_argument("--tokens", default="12,24,48,96",
+                   help="math-easy again at these numbers of generated tokens a turn (comma-separated; empty: not run)")
+    p.add_argument("--sweep-repeats", type=int, default=3, help="repeats of each point of the --tokens sweep")
     args = p.parse_args()
     started = time.monotonic()
     torch.set_num_threads(2)
@@ -377,7 +391,115 @@ def main() -> None:
                    100 * pipe_r["learner_waiting"] / pipe_r["wall"], "% of the wall time"),
         ]
         workload += f" and vowels-remote (checker {args.checker_s:g} s)"
+    tokens = [int(n) for n in args.tokens.split(",") if n.strip()]
+    if tokens:
+        points = token_sweep(args.updates, settings, tokens, args.sweep_repeats)
+        swept = [SweepPoint(NEW_TOKENS, ratios, sync, pipe), *points]
+        plot_sweep(swept, args.updates, bench_dir() / "e2e_tokens.png")
+        # Every figure of each point's median repeat, to look at or plot again.
+        (bench_dir() / "e2e_tokens.json").write_text(json.dumps([asdict(point) for point in swept], indent=1) + "\n")
+        print(f"plot: {bench_dir() / 'e2e_tokens.png'} (its figures: e2e_tokens.json)")
+        for point in points:
+            spread = ", ".join(f"x{r:.2f}" for r in point.ratios)
+            figures += [
+                Figure(f"math-easy, {point.tokens} tokens a turn: synchronous loop, seconds per update",
+                       point.sync["steady_per_update"], "s"),
+                Figure(f"math-easy, {point.tokens} tokens a turn: pipeline, seconds per update (median of "
+                       f"{len(point.ratios)}: {spread})", point.pipe["steady_per_update"], "s", point.ratio,
+                       "synchronous", "≤ 1.2", point.ratio <= 1.2),
+            ]
+        workload += "; math-easy again at " + ", ".join(map(str, tokens)) + " tokens a turn"
     record("bench_e2e", f"{workload}; synchronous in-process loop vs every stage a process", figures, started)
+
+
+@dataclass
+class SweepPoint:
+    """One number of tokens a turn: each repeat's ratio, and the median repeat's runs."""
+
+    tokens: int
+    ratios: list[float]  # the pipeline's seconds per update over the loop's, each repeat, sorted
+    sync: dict[str, float]
+    pipe: dict[str, float]
+
+    @property
+    def ratio(self) -> float:
+        return self.ratios[len(self.ratios) // 2]
+
+
+def token_sweep(updates: int, settings: Settings, tokens: list[int], repeats: int) -> list[SweepPoint]:
+    """math-easy at each number of generated tokens a turn, the loop and the pipeline taking turns `repeats`
+    times: the compute an update costs grows with the tokens, what a version costs (store, announce, fetch,
+    load, the path through streams and a shard) does not."""
+    points = []
+    for n in tokens:
+        workload = Workload("math-easy", 2, new_tokens=n)
+        pairs = [(synchronous(updates, workload), pipeline(updates, settings, workload)) for _ in range(repeats)]
+        pairs.sort(key=lambda pair: pair[1]["steady_per_update"] / pair[0]["steady_per_update"])
+        sync, pipe = pairs[len(pairs) // 2]
+        point = SweepPoint(n, [b["steady_per_update"] / a["steady_per_update"] for a, b in pairs], sync, pipe)
+        points.append(point)
+        print(f"math-easy, {n} tokens a turn: seconds per update synchronous {sync['steady_per_update']:.2f}, "
+              f"pipeline {pipe['steady_per_update']:.2f} (x{point.ratio:.2f}; the {repeats} repeats: "
+              + ", ".join(f"x{r:.2f}" for r in point.ratios) + ")", flush=True)
+        describe(pipe)
+    return points
+
+
+def where_the_seconds_go(sync: dict[str, float], pipe: dict[str, float], updates: int
+                         ) -> dict[str, dict[str, float]]:
+    """Seconds per update, a run's totals over its updates (start-up included, in "start-up and other"), of
+    the loop, the pipeline's learner and an average rollout worker of it."""
+    loop = {k: sync[k] / updates for k in ("generate", "sandbox", "score", "train")}
+    learner = {"train": pipe["train"] / updates, "checkpoints": pipe["checkpoint"] / updates,
+               "waiting for data": pipe["learner_waiting"] / updates}
+    worker = {"generate": pipe["generate"] / updates, "sandbox": pipe["sandbox"] / updates,
+              "paused": pipe["producer_paused"] / updates}
+    for parts, wall in ((loop, sync["wall"]), (learner, pipe["wall"]), (worker, pipe["wall"])):
+        parts["start-up and other"] = max(0.0, wall / updates - sum(parts.values()))
+    return {"synchronous loop": loop, "pipeline: learner": learner, "pipeline: rollout worker": worker}
+
+
+def plot_sweep(points: list[SweepPoint], updates: int, path: Path) -> None:
+    """Left: the pipeline's seconds per update over the loop's, against how long the loop's update takes.
+    Right: where each side's seconds go, per update, at each number of tokens."""
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
+    xs = [p.sync["steady_per_update"] for p in points]
+    for p, x in zip(points, xs):
+        axes[0].scatter([x] * len(p.ratios), p.ratios, color="tab:blue", alpha=0.4, s=18)
+        axes[0].annotate(f"{p.tokens} tokens", (x, p.ratio), textcoords="offset points", xytext=(6, 6), fontsize=8)
+    axes[0].plot(xs, [p.ratio for p in points], "o-", color="tab:blue", label="median of the repeats")
+    axes[0].axhline(1.2, color="tab:red", linestyle="--", label="goal: ≤ 1.2")
+    axes[0].axhline(1.0, color="k", linestyle=":", linewidth=1, label="as fast as the loop")
+    axes[0].set(xscale="log", xlabel="the synchronous loop's seconds per update (log)",
+                ylabel="pipeline / loop, seconds per update", title="math-easy: more tokens a turn, same batches")
+    axes[0].xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    axes[0].xaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    axes[0].legend(fontsize=8)
+    colors = {"generate": "tab:green", "sandbox": "tab:olive", "score": "tab:purple", "train": "tab:blue",
+              "checkpoints": "tab:orange", "waiting for data": "tab:red", "paused": "tab:gray",
+              "start-up and other": "lightgray"}
+    labels, seen = [], set()
+    for i, p in enumerate(points):
+        split = where_the_seconds_go(p.sync, p.pipe, updates)
+        for j, (side, parts) in enumerate(split.items()):
+            x, bottom = i * 4 + j, 0.0
+            labels.append((x, f"{p.tokens}: {side.split(': ')[-1].replace('synchronous ', '')}"))
+            for part, seconds in parts.items():
+                axes[1].bar(x, seconds, bottom=bottom, color=colors[part], label=None if part in seen else part)
+                seen.add(part)
+                bottom += seconds
+            steady = (p.sync if j == 0 else p.pipe)["steady_per_update"]
+            axes[1].hlines(steady, x - 0.4, x + 0.4, color="k", linewidth=2,
+                           label=None if "steady" in seen else "seconds per update, start-up excluded")
+            seen.add("steady")
+    axes[1].set_xticks([x for x, _ in labels], [label for _, label in labels], rotation=60, fontsize=7, ha="right")
+    axes[1].set(ylabel="seconds per update (the run's totals / updates)",
+                title="where the seconds go (tokens a turn: side)")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def describe(pipe: dict[str, float]) -> None:
