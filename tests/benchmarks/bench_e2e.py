@@ -393,7 +393,7 @@ def main() -> None:
         workload += f" and vowels-remote (checker {args.checker_s:g} s)"
     tokens = [int(n) for n in args.tokens.split(",") if n.strip()]
     if tokens:
-        points = token_sweep(args.updates, settings, tokens, args.sweep_repeats)
+        points = token_sweep(args.updates, settings, easy, tokens, args.sweep_repeats)
         swept = [SweepPoint(NEW_TOKENS, ratios, sync, pipe), *points]
         plot_sweep(swept, args.updates, bench_dir() / "e2e_tokens.png")
         # Every figure of each point's median repeat, to look at or plot again.
@@ -426,19 +426,23 @@ class SweepPoint:
         return self.ratios[len(self.ratios) // 2]
 
 
-def token_sweep(updates: int, settings: Settings, tokens: list[int], repeats: int) -> list[SweepPoint]:
-    """math-easy at each number of generated tokens a turn, the loop and the pipeline taking turns `repeats`
+def token_sweep(updates: int, settings: Settings, base: Workload, tokens: list[int], repeats: int
+                ) -> list[SweepPoint]:
+    """`base` at each number of generated tokens a turn, the loop and the pipeline taking turns `repeats`
     times: the compute an update costs grows with the tokens, what a version costs (store, announce, fetch,
     load, the path through streams and a shard) does not."""
+    def ratio(pair: tuple[dict[str, float], dict[str, float]]) -> float:
+        return pair[1]["steady_per_update"] / pair[0]["steady_per_update"]
+
     points = []
     for n in tokens:
-        workload = Workload("math-easy", 2, new_tokens=n)
-        pairs = [(synchronous(updates, workload), pipeline(updates, settings, workload)) for _ in range(repeats)]
-        pairs.sort(key=lambda pair: pair[1]["steady_per_update"] / pair[0]["steady_per_update"])
+        workload = replace(base, new_tokens=n)
+        pairs = sorted(((synchronous(updates, workload), pipeline(updates, settings, workload))
+                        for _ in range(repeats)), key=ratio)
         sync, pipe = pairs[len(pairs) // 2]
-        point = SweepPoint(n, [b["steady_per_update"] / a["steady_per_update"] for a, b in pairs], sync, pipe)
+        point = SweepPoint(n, [ratio(pair) for pair in pairs], sync, pipe)
         points.append(point)
-        print(f"math-easy, {n} tokens a turn: seconds per update synchronous {sync['steady_per_update']:.2f}, "
+        print(f"{base.source}, {n} tokens a turn: seconds per update synchronous {sync['steady_per_update']:.2f}, "
               f"pipeline {pipe['steady_per_update']:.2f} (x{point.ratio:.2f}; the {repeats} repeats: "
               + ", ".join(f"x{r:.2f}" for r in point.ratios) + ")", flush=True)
         describe(pipe)
@@ -456,7 +460,7 @@ def where_the_seconds_go(sync: dict[str, float], pipe: dict[str, float], updates
               "paused": pipe["producer_paused"] / updates}
     for parts, wall in ((loop, sync["wall"]), (learner, pipe["wall"]), (worker, pipe["wall"])):
         parts["start-up and other"] = max(0.0, wall / updates - sum(parts.values()))
-    return {"synchronous loop": loop, "pipeline: learner": learner, "pipeline: rollout worker": worker}
+    return {"loop": loop, "learner": learner, "rollout worker": worker}
 
 
 def plot_sweep(points: list[SweepPoint], updates: int, path: Path) -> None:
@@ -481,15 +485,14 @@ def plot_sweep(points: list[SweepPoint], updates: int, path: Path) -> None:
     labels, seen = [], set()
     for i, p in enumerate(points):
         split = where_the_seconds_go(p.sync, p.pipe, updates)
-        for j, (side, parts) in enumerate(split.items()):
+        for j, ((side, parts), run) in enumerate(zip(split.items(), (p.sync, p.pipe, p.pipe))):
             x, bottom = i * 4 + j, 0.0
-            labels.append((x, f"{p.tokens}: {side.split(': ')[-1].replace('synchronous ', '')}"))
+            labels.append((x, f"{p.tokens}: {side}"))
             for part, seconds in parts.items():
                 axes[1].bar(x, seconds, bottom=bottom, color=colors[part], label=None if part in seen else part)
                 seen.add(part)
                 bottom += seconds
-            steady = (p.sync if j == 0 else p.pipe)["steady_per_update"]
-            axes[1].hlines(steady, x - 0.4, x + 0.4, color="k", linewidth=2,
+            axes[1].hlines(run["steady_per_update"], x - 0.4, x + 0.4, color="k", linewidth=2,
                            label=None if "steady" in seen else "seconds per update, start-up excluded")
             seen.add("steady")
     axes[1].set_xticks([x for x, _ in labels], [label for _, label in labels], rotation=60, fontsize=7, ha="right")
