@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from array import array
 from typing import Any, Optional
 
 from confluent_kafka import KafkaException
@@ -34,9 +35,10 @@ class LearnerDemand:
         self.settings, self.topic, self.timeout_s = settings, topics.batches, timeout_s
         self._consumer: Any = None
         # What rollouts_since has read of the topic: per partition, the next offset to read and the offsets of
-        # the batches of rollouts (records never change, so each is read once).
+        # the batches of rollouts (records never change, so each is read once), 8 bytes each. Offsets the topic's
+        # retention deleted are let go, so a worker holds no more of them than the topic does.
         self._read_to: dict[int, int] = {}
-        self._rollouts: dict[int, list[int]] = {}
+        self._rollouts: dict[int, array[int]] = {}
 
     def shortfall(self, manifest: CheckpointManifest) -> Optional[int]:
         """Batches of rollouts the learner lacks to make the version after `manifest`'s; None when the manifest does
@@ -57,6 +59,7 @@ class LearnerDemand:
             if not marks:
                 return None
             self._read(marks)
+            self._forget_deleted(marks)
         except (KafkaException, KeyError, TimeoutError) as exc:
             log.warning("batches topic %s: cannot read its batches (%s)", self.topic, exc)
             return None
@@ -75,8 +78,16 @@ class LearnerDemand:
             if batch is not None and batch.policy_version_max >= 0:
                 found.append((msg.partition() or 0, msg.offset() or 0))
         for part, offset in sorted(found):
-            self._rollouts.setdefault(part, []).append(offset)
+            self._rollouts.setdefault(part, array("q")).append(offset)
         self._read_to.update({p: end for p, (_, end) in ranges.items()})
+
+    def _forget_deleted(self, marks: dict[int, tuple[int, int]]) -> None:
+        """Drop the offsets below each partition's low watermark: retention deleted those batches, and no count
+        includes them (rollouts_since counts from the low watermark at the earliest)."""
+        for part, (low, _) in marks.items():
+            found = self._rollouts.get(part)
+            if found:
+                del found[:bisect.bisect_left(found, low)]
 
     def _client(self) -> Any:
         """One consumer for watermarks and reads: it never subscribes nor commits (assigned partitions only)."""

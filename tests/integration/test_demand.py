@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import pytest
+from confluent_kafka import TopicPartition
 
-from infra.kafka import Publisher, end_offsets
+from infra.kafka import Publisher, admin, end_offsets
 from infra.settings import Settings
 from producers.demand import LearnerDemand
 from schemas.manifests import CheckpointManifest
@@ -66,5 +67,25 @@ def test_the_rollouts_queued_past_a_versions_offsets_leave_out_demonstrations_an
         assert demand.rollouts_since({0: 7}) == 3
         high = end_offsets(stack, topics.batches)[0][1]
         assert demand.rollouts_since({0: high}) == 0 and demand._read_to[0] == high
+    finally:
+        demand.close()
+
+
+def test_batches_the_topics_retention_deleted_are_let_go_and_never_counted(stack: Settings, topics: Topics) -> None:
+    """A long run: the worker asks after every version, and the topic's retention deletes its oldest batches.
+    What the demand holds of them goes with them, and the counts stay those of what the topic holds."""
+    pub = Publisher(stack)
+    for n in range(10):
+        pub.send(topics.batches, None, batch_record(n, 3), partition=0)
+    pub.close()
+    demand = LearnerDemand(stack, topics)
+    try:
+        assert demand.rollouts_since({}) == 10 and len(demand._rollouts[0]) == 10
+        client = admin(stack)  # held until the deletion is done: its thread answers the futures
+        for future in client.delete_records([TopicPartition(topics.batches, 0, 6)]).values():
+            future.result(timeout=30)  # the low watermark is now 6, as retention leaves it
+        assert demand.rollouts_since({}) == 4
+        assert list(demand._rollouts[0]) == [6, 7, 8, 9]  # the deleted offsets are let go
+        assert demand.rollouts_since({0: 8}) == 2 and demand.shortfall(manifest({0: 2}, 5)) == 1
     finally:
         demand.close()
