@@ -54,7 +54,19 @@ HEADLINE: tuple[tuple[str, str, str], ...] = (
 )
 HEADLINE_HOW = {(source, name): how for source, name, how in HEADLINE}
 KEEP_LATENCIES = 10_000  # recent observations the quantiles are read from
+# Labels that change along one series (the learner labels every figure with the version it made): a service's
+# figure is one series whatever their values, or a long run would hold, scrape and sum one per version.
+SERIES_LABELS_IGNORED = ("version", "algorithm")
+# A series whose newest window is this much older (in metric time) than the newest of any series is gone (a
+# restarted rollout worker publishes under a new producer id): its last value leaves the figures that sum the
+# live ones (`each` headlines, the Prometheus gauge). Its total stays in the sums over windows.
+STALE_SERIES_MS = 15 * 60 * 1000
+PRUNE_SERIES_EVERY_MS = 60 * 1000
 KEEP_RECORD_TIMES = 200_000  # per partition: offsets whose broker time the queue age can look up
+
+
+def _joined(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
 
 def bucket_of(ms: int, bucket_ms: int = BUCKET_MS) -> int:
@@ -194,6 +206,9 @@ class PipelineStats:
     # Cumulative counters (`total` records, the streams worker's): the newest value of each partition.
     service_partitions: dict[tuple[str, str, str], dict[str, float]] = field(default_factory=dict)
     service_newest: dict[tuple[str, str], float] = field(default_factory=dict)  # (source, name) -> any labels
+    service_seen: dict[tuple[str, str, str], int] = field(default_factory=dict)  # key -> newest window's end (ms)
+    metrics_newest_ms: int = 0  # the newest window's end of any series
+    series_pruned_ms: int = 0  # metric time of the last look for series gone stale
     headline_series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # name -> (time, value)
     resent: Counter[str] = field(default_factory=Counter)  # topic -> records counted once already (by id)
     record_times: dict[tuple[str, int], RecordTimes] = field(default_factory=dict)  # (topic, partition) ->
@@ -296,10 +311,16 @@ class PipelineStats:
                 self.batched_at.add(trajectory_id, ts)
 
     def _on_metric(self, m: PipelineMetric, ts: int) -> None:
-        labels = {k: v for k, v in m.labels.items() if not (m.total and k == "partition")}
-        key = (m.source, m.name, ",".join(f"{k}={v}" for k, v in sorted(labels.items())))
-        if m.name == CHECKPOINT_LATENCY and self._first(self.topics.metrics, key):  # one per worker and version
-            self.checkpoint_latency.add(m.value)
+        if m.name == CHECKPOINT_LATENCY and self._first(self.topics.metrics, (m.source, m.name, _joined(m.labels))):
+            self.checkpoint_latency.add(m.value)  # one per worker and version
+        labels = {k: v for k, v in m.labels.items()
+                  if not (m.total and k == "partition") and k not in SERIES_LABELS_IGNORED}
+        key = (m.source, m.name, _joined(labels))
+        at = m.window_end or ts
+        self.service_seen[key] = max(at, self.service_seen.get(key, 0))
+        self.metrics_newest_ms = max(self.metrics_newest_ms, at)
+        if self.metrics_newest_ms - self.series_pruned_ms >= PRUNE_SERIES_EVERY_MS:
+            self.prune_series()
         if m.total:  # since the start of the log, per partition: the newest of each, summed
             partitions = self.service_partitions.setdefault(key, {})
             partitions[m.labels.get("partition", "")] = m.value
@@ -316,6 +337,15 @@ class PipelineStats:
             points = self.learner.setdefault(m.name, [])
             points.append((m.window_end or ts, m.value))
             del points[:-KEEP_POINTS]
+
+    def prune_series(self) -> None:
+        """Let go of the newest values of windowed series gone stale; cumulative ones (`total`) stay, as do the
+        sums over windows."""
+        horizon = self.metrics_newest_ms - STALE_SERIES_MS
+        for key in [k for k, at in self.service_seen.items() if at < horizon and k not in self.service_partitions]:
+            del self.service_seen[key]
+            self.service_latest.pop(key, None)
+        self.series_pruned_ms = self.metrics_newest_ms
 
     def set_consumer_lag(self, now_ms: int, lags: dict[tuple[str, str], int],
                          unread: Optional[dict[tuple[str, str], dict[int, int]]] = None) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 from confluent_kafka import TopicPartition
 
+from consumers.monitoring import SERIES_LABELS_IGNORED
 from infra.kafka import consumer, end_offsets
 from infra.settings import Settings, add_ns_argument
 from schemas.codec import codec
@@ -30,7 +31,6 @@ from schemas.errors import DecodeError, PipelineError
 from schemas.records import PipelineMetric
 from schemas.topics import Topics
 
-SERIES_LABELS_IGNORED = ("version", "algorithm")  # they change along one series
 
 
 def tag_of(metric: PipelineMetric) -> str:

@@ -230,3 +230,44 @@ def test_queue_age_is_the_time_of_the_oldest_record_a_group_has_not_committed() 
     assert m[("trajpipe_queue_oldest_unread_timestamp_seconds", (("group", "g"), ("topic", TOPICS.events)))] == \
         (T0 + 2000) / 1000
     assert m[("trajpipe_queue_age_seconds", (("group", "g"), ("topic", TOPICS.events)))] > 0
+
+
+def labelled(name: str, value: float, at: int, source: str = "learner", **labels: str) -> bytes:
+    return codec.encode(PipelineMetric(source=source, name=name, value=value, labels=labels, window_end=at))
+
+
+def test_a_figure_labelled_with_each_version_stays_one_series() -> None:
+    """The learner labels every figure with the version it made: a long run is one series per figure, not one per
+    version to hold, scrape and sum."""
+    s = PipelineStats(TOPICS)
+    for version in range(1, 2001):
+        s.observe(TOPICS.metrics, T0, labelled("stale/dropped", float(version % 7), T0 + version * 1000,
+                                               algorithm="grpo", version=str(version)))
+        s.observe(TOPICS.metrics, T0, labelled("learner/updates", 1.0, T0 + version * 1000, version=str(version)))
+    assert len(s.service_latest) == len(s.service_sum) == 2
+    assert s.service_sum[("learner", "learner/updates", "")] == 2000  # the windows of every version, summed
+    assert s.service_latest[("learner", "stale/dropped", "")] == 2000 % 7
+    services = [labels for (name, labels) in scrape(s) if name == "trajpipe_service"]
+    assert len(services) == 2
+
+
+def test_a_restarted_workers_last_figures_leave_the_sums_of_the_live_ones() -> None:
+    """A rollout worker publishes under its producer id (host-pid): after a restart, the dead id's last tokens/s
+    must not be added to the live worker's, in the headline or the Prometheus gauge; its episodes stay counted."""
+    s = PipelineStats(TOPICS)
+    for i in range(60):  # 10 minutes of 10 s windows from worker A, which then dies
+        s.observe(TOPICS.metrics, T0, labelled("rollout/tokens_per_s", 100.0, T0 + i * 10_000, "rollout", producer="a"))
+        s.observe(TOPICS.metrics, T0, labelled("rollout/episodes", 4.0, T0 + i * 10_000, "rollout", producer="a"))
+    start = T0 + 600_000
+    for i in range(12):  # its replacement, B, for two minutes
+        s.observe(TOPICS.metrics, T0, labelled("rollout/tokens_per_s", 30.0, start + i * 10_000, "rollout", producer="b"))
+        s.observe(TOPICS.metrics, T0, labelled("rollout/episodes", 1.0, start + i * 10_000, "rollout", producer="b"))
+    assert s.headline()["rollout/tokens_per_s"] == 130.0  # A's last window is a minute old: still counted
+    for i in range(12, 120):  # B goes on for another 18 minutes
+        s.observe(TOPICS.metrics, T0, labelled("rollout/tokens_per_s", 30.0, start + i * 10_000, "rollout", producer="b"))
+        s.observe(TOPICS.metrics, T0, labelled("rollout/episodes", 1.0, start + i * 10_000, "rollout", producer="b"))
+    assert s.headline()["rollout/tokens_per_s"] == 30.0
+    assert s.headline()["rollout/episodes"] == 60 * 4 + 120
+    gauges = {labels: v for (name, labels), v in scrape(s).items() if name == "trajpipe_service"}
+    assert gauges == {(("labels", "producer=b"), ("name", "rollout/episodes"), ("source", "rollout")): 1.0,
+                      (("labels", "producer=b"), ("name", "rollout/tokens_per_s"), ("source", "rollout")): 30.0}
