@@ -5,6 +5,7 @@
     clock.touch(key, (partition, producer_id))          # an event of `key` was just taken
     clock.idle_ms(key, wall_idle_s)                     # how long `key` has been idle: event or wall time
     clock.forget(key)                                   # `key` closed
+    clock.forget_unused()                               # drop the clocks no open item was touched on
     clock.age_ms(partition, ts, wall_idle_s)            # for long horizons: against the partition's watermark
 
 Timestamps are compared only with timestamps of the same clock (a producer on a partition): producers whose
@@ -52,6 +53,16 @@ class EventTime:
 
     def forget(self, key: bytes) -> None:
         self.marks.pop(key, None)
+
+    def forget_unused(self) -> int:
+        """Drop the clocks no item holds a mark on: each restarted rollout worker is a new producer id, and its old
+        clocks would stay for the worker's life. A producer still writing starts its clock again at its next
+        event, before any item is touched on it. Returns how many were dropped."""
+        used = {clock for clock, _ in self.marks.values()}
+        unused = [clock for clock in self.clocks if clock not in used]
+        for clock in unused:
+            del self.clocks[clock]
+        return len(unused)
 
     def idle_ms(self, key: bytes, wall_idle_s: float) -> float:
         """Event time its clock advanced since `key` was last touched, or wall time if longer."""

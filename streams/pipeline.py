@@ -503,7 +503,9 @@ class Pipeline:
                 self.prune()
 
     def prune(self) -> None:
-        """Forget the closed markers past the dedupe horizon (oldest first: streams.expiry)."""
+        """Forget the closed markers past the dedupe horizon (oldest first: streams.expiry), and the producer clocks
+        no open episode uses."""
+        self.event_time.forget_unused()
         horizon, now = self.settings.dedupe_horizon_s * 1000, time.monotonic()
         for markers, table, clock in ((self.closed_episodes, self.tables.seen, self.event_time),
                                       (self.closed_groups, self.tables.groups, self.trajectory_time)):

@@ -716,8 +716,10 @@ def test_markers_past_the_dedupe_horizon_are_forgotten_recovered_ones_too_and_no
         await asyncio.sleep(0.6)
         await put_events(second, episode_messages(*new))
         await put_trajectories(second, outbox2)
+        assert pipeline.event_time.clocks  # the new episodes' producer clock
         await asyncio.sleep(0.6)  # the recovered markers are 1.2 s old, the new ones 0.6 s
         pipeline.prune()
+        assert pipeline.event_time.clocks == {}  # no open episode uses it any more
         seen.append(markers(second))
         await asyncio.sleep(0.6)
         pipeline.prune()

@@ -221,6 +221,25 @@ def test_idle_time_is_the_longer_of_event_time_and_wall_time() -> None:
     assert clock.clocks[a] == 1_002_000 and clock.age_ms(0, 2_000, wall_idle_s=0.0) == 1_000_000
 
 
+def test_the_clocks_of_producers_no_open_episode_uses_are_let_go() -> None:
+    """Each restarted rollout worker writes under a new producer id: a clock per id and partition would stay for the
+    stream worker's life. Those no open episode was touched on go; the others keep their time."""
+    clock = EventTime(max_skew_ms=2_000, now_ms=lambda: 1_000_000)
+    for restart in range(1000):
+        clock.observe((restart % 4, f"host-{restart}"), 1_000 + restart)
+    live = (1, "host-999")
+    clock.observe(live, 2_000)
+    clock.touch(b"ep", live)
+    clock.touch(b"done", (2, "host-998"))
+    clock.forget(b"done")
+    assert clock.forget_unused() == 1000 and list(clock.clocks) == [live]
+    clock.observe(live, 32_000)
+    assert clock.idle_ms(b"ep", wall_idle_s=0.0) == 30_000  # its clock kept its time
+    assert clock.partitions == {0: 1_996, 1: 32_000, 2: 1_998, 3: 1_999}  # the watermarks stay
+    clock.observe((3, "host-1000"), 40_000)  # a producer that writes again starts a clock again
+    assert clock.clocks[(3, "host-1000")] == 40_000
+
+
 def test_claim_checked_turns_are_filled_in_when_the_episode_closes() -> None:
     events = events_of(MATH, 1)
     full = events[1].body
