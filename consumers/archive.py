@@ -125,12 +125,15 @@ def from_message(msg: Message) -> ArchivedEvent:
                          timestamp=msg.timestamp()[1], key=msg.key(), value=msg.value() or b"", headers=headers)
 
 
+KEEP_KEYS = 1000  # the newest object keys a run reports (an archiver runs for weeks: one object a minute a partition)
+
+
 @dataclass
 class ArchiveStats:
     events: int = 0
     objects: int = 0
     bytes: int = 0
-    keys: list[str] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)  # the newest KEEP_KEYS written
 
 
 class Archiver:
@@ -172,6 +175,7 @@ class Archiver:
         self.stats.objects += 1
         self.stats.bytes += len(data)
         self.stats.keys.append(key)
+        del self.stats.keys[:-KEEP_KEYS]
         log.info("archived %s (%d events, %d bytes)", key, len(chunk.records), len(data))
 
     def take(self, messages: list[Message]) -> None:

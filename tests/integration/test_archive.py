@@ -29,6 +29,22 @@ def archive_once(stack: Settings, topics: Topics, store: ObjectStore, group: str
         archiver.close()
 
 
+def test_a_long_run_reports_its_newest_keys_only(stack: Settings, topics: Topics, store: ObjectStore,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """An archiver runs for weeks: its stats keep the newest keys it wrote, not one per object ever written."""
+    import consumers.archive
+
+    monkeypatch.setattr(consumers.archive, "KEEP_KEYS", 2)
+    produce(stack, topics.events, [e for i in range(4) for e in episode(f"ep-{i}", T0 + 1000 * i)])
+    archiver = Archiver(stack, topics.ns, ArchiveBounds(max_events=2), store=store, group=f"{topics.ns}.archive")
+    try:
+        stats = archiver.run_once(timeout_s=60)
+    finally:
+        archiver.close()
+    written = sorted(stored(store, topics))
+    assert stats.objects == len(written) > 2 and len(stats.keys) == 2 and set(stats.keys) <= set(written)
+
+
 def stored(store: ObjectStore, topics: Topics) -> dict[str, bytes]:
     return {k: store.get(k) for k in store.list(archive_prefix(topics.ns, topics.events))}
 
