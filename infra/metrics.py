@@ -56,6 +56,9 @@ class Metrics:
     gauges: dict[Key, float] = field(default_factory=dict)
     totals: Counter[Key] = field(default_factory=Counter)
     window_counts: bool = True  # False: counters feed the rates and `totals`, not the window's records
+    # Labels every window record carries besides its own: which process made it (several workers of one source
+    # publish the same figures; a reader sums or compares them per process).
+    labels: Mapping[str, str] = field(default_factory=dict)
 
     def count(self, name: str, n: int = 1, **labels: str) -> None:
         self.count_key((name, _labels(labels) if labels else ()), n)
@@ -107,7 +110,7 @@ class Metrics:
         return ", ".join(f"{name.split('/', 1)[-1]}={self.total(name)}" for name in names)
 
     def _metric(self, name: str, value: float, labels: Labels, start_ms: int, end_ms: int) -> PipelineMetric:
-        return PipelineMetric(source=self.source, name=name, value=value, labels=dict(labels),
+        return PipelineMetric(source=self.source, name=name, value=value, labels={**self.labels, **dict(labels)},
                               window_start=start_ms, window_end=end_ms)
 
 

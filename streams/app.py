@@ -21,7 +21,7 @@ from infra import faults
 from infra.faults import fault_hit
 from infra.settings import Settings, cache_dir
 from schemas.topics import STREAM_TABLES, Topics
-from streams.metrics import streams_metrics
+from streams.metrics import streams_metrics, worker_id
 from streams.outbox import KafkaOutbox, Outbox
 from streams.pipeline import ClaimResolver, Pipeline, Tables
 from streams.runtime import PartitionedTable, StreamsApp, batches
@@ -76,8 +76,9 @@ def faust_config(settings: StreamSettings, platform: Optional[Settings]) -> dict
 
 
 def build_app(settings: StreamSettings, platform: Optional[Settings] = None, outbox: Optional[Outbox] = None,
-              scorer: Optional[Scorer] = None) -> StreamsApp:
-    """The app, its tables, agents and timers; `outbox` defaults to an idempotent producer on `platform`."""
+              scorer: Optional[Scorer] = None, worker: Optional[str] = None) -> StreamsApp:
+    """The app, its tables, agents and timers; `outbox` defaults to an idempotent producer on `platform`;
+    `worker` labels its metric windows (host-pid unless given)."""
     topics = Topics(settings.ns, _partitions(settings))
     config = faust_config(settings, platform)
     Path(config["datadir"]).parent.mkdir(parents=True, exist_ok=True)
@@ -90,7 +91,7 @@ def build_app(settings: StreamSettings, platform: Optional[Settings] = None, out
     app.batch_topics = frozenset({topics.events, topics.trajectories})  # each read by one agent, in batches
     tables = _tables(app, topics)
     pipeline = Pipeline(settings, topics, tables, outbox, scorer or Scorer.load(settings.reward_fn, settings.reward_version),
-                        claims=ClaimResolver(platform), metrics=streams_metrics(),
+                        claims=ClaimResolver(platform), metrics=streams_metrics(worker or worker_id()),
                         ready=lambda: not (app.rebalancing or app.in_recovery))
     app.pipeline = pipeline  # type: ignore[attr-defined]
 

@@ -785,3 +785,30 @@ def test_a_stream_stopped_while_a_small_batch_waits_to_fill_ends_its_agent_quiet
         return handed
 
     assert asyncio.run(stop_while_waiting()) == []
+
+
+def test_the_figures_of_two_workers_add_up_in_the_monitor() -> None:
+    """Stream workers share the partitions: each one's windows (open episodes, events/s) are its own series, so
+    the monitor sums them instead of showing whichever worker published last."""
+    from consumers.monitoring import PipelineStats
+    from schemas.topics import Topics
+
+    stats = PipelineStats(Topics(NS, P))
+    published: dict[str, dict[str, float]] = {}
+    for worker, episodes in (("w1", [Episode("ep-w1", "g-w1", "math", 2, True)]),
+                             ("w2", [Episode(f"ep-w2-{i}", "g-w2", "math", 2, True) for i in range(2)])):
+        outbox = MemoryOutbox()
+        app = build_app(StreamSettings(ns=NS, partitions=P, batch_wait_s=0.0), outbox=outbox, worker=worker)
+        opened = [m for ep in episodes for m in episode_messages(ep)[:2]]  # started, one turn: still open
+        asyncio.run(put_events(app, opened))
+        asyncio.run(app.pipeline.flush_metrics())  # type: ignore[attr-defined]
+        for sent in outbox.to(f"{NS}.pipeline.metrics"):
+            metric = codec.decode(sent.value)
+            if not metric.total:
+                assert metric.labels["worker"] == worker
+                published.setdefault(metric.name, {})[worker] = metric.value
+            stats.observe(f"{NS}.pipeline.metrics", 1_700_000_000_000, sent.value)
+    assert published["streams/open_episodes"] == {"w1": 1.0, "w2": 2.0}
+    headline = stats.headline()
+    assert headline["streams/open_episodes"] == 3.0
+    assert headline["streams/events_per_s"] == sum(published["streams/events_per_s"].values()) > 0
