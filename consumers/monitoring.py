@@ -30,6 +30,10 @@ from schemas.topics import Topics
 BUCKET_MS = 10_000
 KEEP_BUCKETS = 8_640  # a day of 10 s buckets
 KEEP_POINTS = 10_000
+# Reward and success by policy version: at most this many points per domain. Past it, versions are taken in buckets
+# twice as wide (a bucket is keyed by its first version), the older ones merged: a run of a million versions
+# holds a few thousand figures, not two million.
+KEEP_VERSIONS = 2_000
 RECENT = 1_000  # trajectories the policy-lag figures look back over
 RECENT_IDS = 200_000  # record ids remembered to count a re-sent record once (re-sends follow within minutes)
 LEARNER_SOURCE = "learner"
@@ -191,6 +195,7 @@ class PipelineStats:
     # domain -> 1.0 per trajectory that solved its task (its best outcome/* component is 1), else 0.0
     success: dict[str, Welford] = field(default_factory=dict)
     success_by_version: dict[tuple[str, int], Welford] = field(default_factory=dict)
+    version_width: dict[str, int] = field(default_factory=dict)  # domain -> versions per bucket of those two
     sandbox_outcomes: Counter[str] = field(default_factory=Counter)
     deadletter_reasons: Counter[str] = field(default_factory=Counter)
     newest_checkpoint: int = -1
@@ -282,7 +287,7 @@ class PipelineStats:
             self.batch_latency.add((batched - t.ended_ts) / 1000)
         else:
             self.ended_at.add(t.trajectory_id, t.ended_ts)
-        version = trajectory_version(t)
+        version = self._version_bucket(t.domain, trajectory_version(t))
         self.reward.setdefault(t.domain, Welford()).add(t.reward)
         self.reward_by_version.setdefault((t.domain, version), Welford()).add(t.reward)
         solved = float(max((v for k, v in t.reward_components.items() if k.startswith("outcome/")), default=0.0) >= 1.0)
@@ -337,6 +342,23 @@ class PipelineStats:
             points = self.learner.setdefault(m.name, [])
             points.append((m.window_end or ts, m.value))
             del points[:-KEEP_POINTS]
+
+    def _version_bucket(self, domain: str, version: int) -> int:
+        """The first version of the bucket `version` falls in; widens the domain's buckets (merging what is held)
+        when a new one would make more than KEEP_VERSIONS."""
+        width = self.version_width.get(domain, 1)
+        bucket = version - version % width
+        if (domain, bucket) in self.reward_by_version:
+            return bucket
+        held = sum(1 for d, _ in self.reward_by_version if d == domain)
+        if held < KEEP_VERSIONS:
+            return bucket
+        width = self.version_width[domain] = width * 2
+        for by_version in (self.reward_by_version, self.success_by_version):
+            for key in [k for k in by_version if k[0] == domain]:
+                merged = by_version.pop(key)
+                by_version.setdefault((domain, key[1] - key[1] % width), Welford()).merge(merged)
+        return version - version % width
 
     def prune_series(self) -> None:
         """Let go of the newest values of windowed series gone stale; cumulative ones (`total`) stay, as do the

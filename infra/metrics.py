@@ -46,6 +46,16 @@ class Welford:
     def std(self) -> float:
         return math.sqrt(self.m2 / self.n) if self.n > 1 else 0.0
 
+    def merge(self, other: "Welford") -> None:
+        """Take in another's values (Chan et al.'s pairwise update): as if each had been added here."""
+        n = self.n + other.n
+        if not other.n or not n:
+            return
+        delta = other.mean - self.mean
+        self.mean += delta * other.n / n
+        self.m2 += other.m2 + delta * delta * self.n * other.n / n
+        self.n = n
+
 
 @dataclass
 class Metrics:

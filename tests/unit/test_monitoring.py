@@ -271,3 +271,30 @@ def test_a_restarted_workers_last_figures_leave_the_sums_of_the_live_ones() -> N
     gauges = {labels: v for (name, labels), v in scrape(s).items() if name == "trajpipe_service"}
     assert gauges == {(("labels", "producer=b"), ("name", "rollout/episodes"), ("source", "rollout")): 1.0,
                       (("labels", "producer=b"), ("name", "rollout/tokens_per_s"), ("source", "rollout")): 30.0}
+
+
+def test_reward_by_version_holds_a_bounded_number_of_points_however_many_versions(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A long run makes hundreds of thousands of versions: each domain keeps at most KEEP_VERSIONS points, in
+    buckets of versions whose figures are those of every trajectory in them."""
+    import consumers.monitoring
+
+    monkeypatch.setattr(consumers.monitoring, "KEEP_VERSIONS", 8)
+    s = PipelineStats(TOPICS)
+    rewards: dict[int, list[float]] = {}
+    for version in range(100):
+        for i in range(3):
+            r = ((version * 7 + i * 3) % 10) / 10
+            rewards.setdefault(version, []).append(r)
+            t = trajectory(f"t{version}-{i}", r, domain="math", turns=[turn(" 4", version=version)])
+            s.observe(TOPICS.scored, T0, codec.encode(t))
+    s.observe(TOPICS.scored, T0, codec.encode(trajectory("c0", 0.5, domain="code", turns=[turn(" 4", version=3)])))
+    math_points = sorted((v, w) for (d, v), w in s.reward_by_version.items() if d == "math")
+    assert len(math_points) <= 8 and s.version_width["math"] == 16
+    assert [v for v, _ in math_points] == list(range(0, 100, 16))
+    for start, w in math_points:  # each bucket's figures are its trajectories'
+        inside = [r for v in range(start, min(start + 16, 100)) for r in rewards[v]]
+        assert w.n == len(inside) and abs(w.mean - statistics.fmean(inside)) < 1e-12
+        assert abs(w.std - statistics.pstdev(inside)) < 1e-9
+    assert sum(w.n for (d, _), w in s.success_by_version.items() if d == "math") == 300
+    assert {k for k in s.success_by_version} == {k for k in s.reward_by_version}
+    assert s.reward_by_version[("code", 3)].n == 1  # another domain keeps its own buckets
