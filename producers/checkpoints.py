@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -26,6 +27,7 @@ from schemas.records import CheckpointPublished
 from schemas.topics import Topics
 
 log = logging.getLogger(__name__)
+KEEP_REFUSALS = 20  # the newest reasons a worker keeps (and reports) of the checkpoints it refused
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,8 @@ class CheckpointFollower:
         self.run = run or topics.ns
         self.latest_published = 0
         self.latest_announced = 0
-        self.refused: list[str] = []
+        self.refused: deque[str] = deque(maxlen=KEEP_REFUSALS)  # the newest reasons
+        self.refused_count = 0
         # Set once every announcement that existed at start has been read: "the newest" is known from then on.
         self.caught_up = threading.Event()
         self._ready: Optional[VerifiedCheckpoint] = None
@@ -158,4 +161,5 @@ class CheckpointFollower:
     def refuse(self, reason: str) -> None:
         """Count and log a checkpoint this worker will not use (the reason is in its report)."""
         self.refused.append(reason)
+        self.refused_count += 1
         log.error("%s", reason)

@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 # A worker with quota left pauses while the batches topic holds the learner's next this-many versions: the one
 # it trains now and the one after, which the rollouts made meanwhile fill (each at most 2 versions old then).
 QUEUED_VERSIONS = 2
+KEEP_VERSIONS_LOADED = 100  # the newest versions a worker's report lists
 QUEUE_POLL_S = 0.5  # how often a paused worker asks the broker again
 
 
@@ -57,7 +59,9 @@ class WorkerStats:
     quota_waits: int = 0  # times its quota was used up and it waited for a newer version
     demand_steps: int = 0  # of those waits, the ones it ended with another step because the learner was short
     queue_waits: int = 0  # times it waited with quota left: the learner already held its next versions' batches
-    versions_loaded: list[int] = field(default_factory=list)
+    # The newest versions loaded (the first one too: whether any was), and how many in all: a run lasts days.
+    versions_loaded: deque[int] = field(default_factory=lambda: deque(maxlen=KEEP_VERSIONS_LOADED))
+    checkpoints_loaded: int = 0
     checkpoint_bytes: int = 0  # weights downloaded to follow the learner (half with its --broadcast-bf16)
     # (version, seconds from its announcement to this worker generating with it), not yet published
     load_latencies: list[tuple[int, float]] = field(default_factory=list)
@@ -140,6 +144,7 @@ class RolloutWorker:
         ready = fetch_verified(self.store, event, broadcast=False)  # eval measures the weights themselves
         self.backend.load_weights(ready.weights, ready.version)
         self.stats.versions_loaded.append(ready.version)
+        self.stats.checkpoints_loaded += 1
 
     def stopping(self) -> bool:
         return self._stop
@@ -161,7 +166,7 @@ class RolloutWorker:
                 said = time.monotonic()
                 print(f"[{self.settings.producer_id}] waiting for a published checkpoint on "
                       f"{self.settings.topics.checkpoints} (a learner publishes v0 when it starts; "
-                      f"{len(self.follower.refused)} refused so far)", file=sys.stderr, flush=True)
+                      f"{self.follower.refused_count} refused so far)", file=sys.stderr, flush=True)
             time.sleep(0.2)
         self.stats.paused_s += time.monotonic() - started
 
@@ -180,6 +185,7 @@ class RolloutWorker:
             self.manifest = ready.manifest
             self.mark_yield()
             self.stats.versions_loaded.append(ready.version)
+            self.stats.checkpoints_loaded += 1
             self.stats.checkpoint_bytes += ready.size
             # generation with it starts now: the step that follows this call
             self.stats.load_latencies.append((ready.version, max(0.0, time.time() - ready.event.ts / 1000)))
@@ -328,8 +334,8 @@ class RolloutWorker:
             m.gauge(f"rollout/{name}_s", seconds, producer=worker)
         m.gauge("rollout/tokens_per_s", s.tokens / s.generate_s if s.generate_s else 0.0, producer=worker)
         m.gauge("rollout/policy_version", float(self.backend.version), producer=worker)
-        m.gauge("rollout/checkpoints_loaded", float(len(self.stats.versions_loaded)), producer=worker)
-        m.gauge("rollout/checkpoints_refused", float(len(self.follower.refused)), producer=worker)
+        m.gauge("rollout/checkpoints_loaded", float(self.stats.checkpoints_loaded), producer=worker)
+        m.gauge("rollout/checkpoints_refused", float(self.follower.refused_count), producer=worker)
         m.gauge("rollout/checkpoint_bytes", float(self.stats.checkpoint_bytes), producer=worker)
         for source, n in self.mixer.drawn.items():  # tasks drawn per source since the start: the mix as it ran
             m.gauge("rollout/tasks_drawn", float(n), producer=worker, source=source)
@@ -442,8 +448,9 @@ class RolloutWorker:
                 "paused_s": round(self.stats.paused_s, 2), "quota_waits": self.stats.quota_waits,
                 "queue_waits": self.stats.queue_waits,
                 "demand_steps": self.stats.demand_steps,
-                "versions_loaded": self.stats.versions_loaded, "checkpoint_bytes": self.stats.checkpoint_bytes,
-                "checkpoints_refused": self.follower.refused, "curriculum_skips": dict(self.mixer.skips),
+                "checkpoints_loaded": self.stats.checkpoints_loaded, "versions_loaded": list(self.stats.versions_loaded),
+                "checkpoint_bytes": self.stats.checkpoint_bytes, "checkpoints_refused": self.follower.refused_count,
+                "refusals": list(self.follower.refused), "curriculum_skips": dict(self.mixer.skips),
                 "curriculum_probes": self.mixer.probes, "curriculum_exhausted": self.mixer.exhausted}
 
 

@@ -17,3 +17,23 @@ def test_versions_ahead_reaches_the_worker_and_needs_a_quota_to_count_in() -> No
         from_args(["--ns", "quota", "--max-episodes-per-version", "16", "--versions-ahead", "-1"])
     with pytest.raises(ConfigError, match="--max-episodes-per-version must be at least --group-size"):
         from_args(["--ns", "quota", "--group-size", "8", "--max-episodes-per-version", "4"])
+
+
+def test_a_long_run_keeps_the_newest_versions_loaded_and_refusals_and_counts_them_all() -> None:
+    """A rollout worker runs for days: its report lists the newest versions it loaded and checkpoints it refused,
+    and counts all of them, instead of one entry per version for the whole run."""
+    from infra.settings import Settings
+    from producers.checkpoints import KEEP_REFUSALS, CheckpointFollower
+    from producers.worker import KEEP_VERSIONS_LOADED, WorkerStats
+    from schemas.topics import Topics
+
+    follower = CheckpointFollower(Settings.from_env(), Topics("unit"), None)  # type: ignore[arg-type]
+    for version in range(5 * KEEP_REFUSALS):
+        follower.refuse(f"checkpoint v{version} refused: corrupt")
+    assert follower.refused_count == 5 * KEEP_REFUSALS and len(follower.refused) == KEEP_REFUSALS
+    assert follower.refused[-1] == f"checkpoint v{5 * KEEP_REFUSALS - 1} refused: corrupt"
+    stats = WorkerStats()
+    for version in range(3 * KEEP_VERSIONS_LOADED):
+        stats.versions_loaded.append(version)
+        stats.checkpoints_loaded += 1
+    assert list(stats.versions_loaded) == list(range(2 * KEEP_VERSIONS_LOADED, 3 * KEEP_VERSIONS_LOADED))
