@@ -61,9 +61,10 @@ KEEP_LATENCIES = 10_000  # recent observations the quantiles are read from
 # Labels that change along one series (the learner labels every figure with the version it made): a service's
 # figure is one series whatever their values, or a long run would hold, scrape and sum one per version.
 SERIES_LABELS_IGNORED = ("version", "algorithm")
-# A series whose newest window is this much older (in metric time) than the newest of any series is gone (a
+# A series whose newest window is this much older (in metric time) than the newest of its source's is gone (a
 # restarted rollout worker publishes under a new producer id): its last value leaves the figures that sum the
-# live ones (`each` headlines, the Prometheus gauge). Its total stays in the sums over windows.
+# live ones (`each` headlines, the Prometheus gauge). Its total stays in the sums over windows. Per source: the
+# streams worker's windows are in event time, behind the others' while it works through a backlog or a replay.
 STALE_SERIES_MS = 15 * 60 * 1000
 PRUNE_SERIES_EVERY_MS = 60 * 1000
 KEEP_RECORD_TIMES = 200_000  # per partition: offsets whose broker time the queue age can look up
@@ -212,8 +213,8 @@ class PipelineStats:
     service_partitions: dict[tuple[str, str, str], dict[str, float]] = field(default_factory=dict)
     service_newest: dict[tuple[str, str], float] = field(default_factory=dict)  # (source, name) -> any labels
     service_seen: dict[tuple[str, str, str], int] = field(default_factory=dict)  # key -> newest window's end (ms)
-    metrics_newest_ms: int = 0  # the newest window's end of any series
-    series_pruned_ms: int = 0  # metric time of the last look for series gone stale
+    metrics_newest_ms: dict[str, int] = field(default_factory=dict)  # source -> the newest window's end of its series
+    series_pruned_ms: dict[str, int] = field(default_factory=dict)  # source -> its metric time at the last prune
     headline_series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # name -> (time, value)
     resent: Counter[str] = field(default_factory=Counter)  # topic -> records counted once already (by id)
     record_times: dict[tuple[str, int], RecordTimes] = field(default_factory=dict)  # (topic, partition) ->
@@ -323,9 +324,9 @@ class PipelineStats:
         key = (m.source, m.name, _joined(labels))
         at = m.window_end or ts
         self.service_seen[key] = max(at, self.service_seen.get(key, 0))
-        self.metrics_newest_ms = max(self.metrics_newest_ms, at)
-        if self.metrics_newest_ms - self.series_pruned_ms >= PRUNE_SERIES_EVERY_MS:
-            self.prune_series()
+        newest = self.metrics_newest_ms[m.source] = max(self.metrics_newest_ms.get(m.source, 0), at)
+        if newest - self.series_pruned_ms.get(m.source, 0) >= PRUNE_SERIES_EVERY_MS:
+            self.prune_series(m.source)
         if m.total:  # since the start of the log, per partition: the newest of each, summed
             partitions = self.service_partitions.setdefault(key, {})
             partitions[m.labels.get("partition", "")] = m.value
@@ -360,14 +361,15 @@ class PipelineStats:
                 by_version.setdefault((domain, key[1] - key[1] % width), Welford()).merge(merged)
         return version - version % width
 
-    def prune_series(self) -> None:
-        """Let go of the newest values of windowed series gone stale; cumulative ones (`total`) stay, as do the
-        sums over windows."""
-        horizon = self.metrics_newest_ms - STALE_SERIES_MS
-        for key in [k for k, at in self.service_seen.items() if at < horizon and k not in self.service_partitions]:
+    def prune_series(self, source: str) -> None:
+        """Let go of the newest values of the source's windowed series gone stale; cumulative ones (`total`) stay,
+        as do the sums over windows."""
+        horizon = self.metrics_newest_ms[source] - STALE_SERIES_MS
+        for key in [k for k, at in self.service_seen.items()
+                    if k[0] == source and at < horizon and k not in self.service_partitions]:
             del self.service_seen[key]
             self.service_latest.pop(key, None)
-        self.series_pruned_ms = self.metrics_newest_ms
+        self.series_pruned_ms[source] = self.metrics_newest_ms[source]
 
     def set_consumer_lag(self, now_ms: int, lags: dict[tuple[str, str], int],
                          unread: Optional[dict[tuple[str, str], dict[int, int]]] = None) -> None:

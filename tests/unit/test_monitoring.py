@@ -271,6 +271,14 @@ def test_a_restarted_workers_last_figures_leave_the_sums_of_the_live_ones() -> N
     gauges = {labels: v for (name, labels), v in scrape(s).items() if name == "trajpipe_service"}
     assert gauges == {(("labels", "producer=b"), ("name", "rollout/episodes"), ("source", "rollout")): 1.0,
                       (("labels", "producer=b"), ("name", "rollout/tokens_per_s"), ("source", "rollout")): 30.0}
+    # The streams worker's windows are in event time: working through an hour-old backlog, its figures are an hour
+    # behind the rollout workers' and still live.
+    for i in range(30):
+        s.observe(TOPICS.metrics, T0, labelled("streams/events_per_s", 500.0, start - 3_600_000 + i * 10_000,
+                                               "streams", worker="s1"))
+        s.observe(TOPICS.metrics, T0, labelled("rollout/tokens_per_s", 30.0, start + (120 + i) * 10_000, "rollout",
+                                               producer="b"))
+    assert s.headline()["streams/events_per_s"] == 500.0
 
 
 def test_reward_by_version_holds_a_bounded_number_of_points_however_many_versions(monkeypatch) -> None:  # type: ignore[no-untyped-def]
