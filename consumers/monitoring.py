@@ -325,8 +325,6 @@ class PipelineStats:
         at = m.window_end or ts
         self.service_seen[key] = max(at, self.service_seen.get(key, 0))
         newest = self.metrics_newest_ms[m.source] = max(self.metrics_newest_ms.get(m.source, 0), at)
-        if newest - self.series_pruned_ms.get(m.source, 0) >= PRUNE_SERIES_EVERY_MS:
-            self.prune_series(m.source)
         if m.total:  # since the start of the log, per partition: the newest of each, summed
             partitions = self.service_partitions.setdefault(key, {})
             partitions[m.labels.get("partition", "")] = m.value
@@ -343,6 +341,8 @@ class PipelineStats:
             points = self.learner.setdefault(m.name, [])
             points.append((m.window_end or ts, m.value))
             del points[:-KEEP_POINTS]
+        if newest - self.series_pruned_ms.get(m.source, 0) >= PRUNE_SERIES_EVERY_MS:  # after the value is held:
+            self.prune_series(m.source)  # a late window of a stale series goes with it, never left behind
 
     def _version_bucket(self, domain: str, version: int) -> int:
         """The first version of the bucket `version` falls in; widens the domain's buckets (merging what is held)

@@ -273,11 +273,13 @@ def test_a_restarted_workers_last_figures_leave_the_sums_of_the_live_ones() -> N
                       (("labels", "producer=b"), ("name", "rollout/tokens_per_s"), ("source", "rollout")): 30.0}
     # The streams worker's windows are in event time: working through an hour-old backlog, its figures are an hour
     # behind the rollout workers' and still live.
-    for i in range(30):
+    for i in range(31):  # its last window is also a look for stale series (one a minute of its metric time)
         s.observe(TOPICS.metrics, T0, labelled("streams/events_per_s", 500.0, start - 3_600_000 + i * 10_000,
                                                "streams", worker="s1"))
         s.observe(TOPICS.metrics, T0, labelled("rollout/tokens_per_s", 30.0, start + (120 + i) * 10_000, "rollout",
                                                producer="b"))
+    for i in range(150, 160):  # the rollout worker's windows go on past a look for stale series
+        s.observe(TOPICS.metrics, T0, labelled("rollout/tokens_per_s", 30.0, start + i * 10_000, "rollout", producer="b"))
     assert s.headline()["streams/events_per_s"] == 500.0
 
 
