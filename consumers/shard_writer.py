@@ -27,7 +27,7 @@ from confluent_kafka import KafkaException, Message, TopicPartition
 from consumers.batching import BatchBounds, Batcher, OpenBatch
 from consumers.shards import CODECS, read_shard, shard_range, write_shard
 from infra.kafka import Publisher, consumer, read_topic
-from infra.metrics import Metrics, publish
+from infra.metrics import Metrics, process_id, publish
 from infra.objectstore import ObjectStore
 from infra.settings import Settings, add_ns_argument
 from schemas.codec import codec
@@ -167,7 +167,8 @@ class ShardWriter:
         self._last_report = 0.0
         self._last_message: Optional[float] = None  # None until partitions are assigned
         self.written = WrittenIds.from_manifests(settings, self.topics)
-        self.metrics, self._window_start = Metrics("shards"), int(time.time() * 1000)
+        # windows labelled with the writer (host-pid): several writers' figures add up, none overwrites another's
+        self.metrics, self._window_start = Metrics("shards", labels={"writer": process_id()}), int(time.time() * 1000)
         self._published: dict[str, int] = {}  # progress counters already published
 
     # ---- lifecycle ------------------------------------------------------------------------------

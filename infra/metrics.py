@@ -16,6 +16,8 @@ instead, with `window_counts=False` here. Every service publishes to
 from __future__ import annotations
 
 import math
+import os
+import socket
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
@@ -55,6 +57,11 @@ class Welford:
         self.mean += delta * other.n / n
         self.m2 += other.m2 + delta * delta * self.n * other.n / n
         self.n = n
+
+
+def process_id() -> str:
+    """host-pid: which process of several of one service made a figure (a label on its windows)."""
+    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 @dataclass

@@ -19,9 +19,10 @@ from faust.types import StreamT
 
 from infra import faults
 from infra.faults import fault_hit
+from infra.metrics import process_id
 from infra.settings import Settings, cache_dir
 from schemas.topics import STREAM_TABLES, Topics
-from streams.metrics import streams_metrics, worker_id
+from streams.metrics import streams_metrics
 from streams.outbox import KafkaOutbox, Outbox
 from streams.pipeline import ClaimResolver, Pipeline, Tables
 from streams.runtime import PartitionedTable, StreamsApp, batches
@@ -91,7 +92,7 @@ def build_app(settings: StreamSettings, platform: Optional[Settings] = None, out
     app.batch_topics = frozenset({topics.events, topics.trajectories})  # each read by one agent, in batches
     tables = _tables(app, topics)
     pipeline = Pipeline(settings, topics, tables, outbox, scorer or Scorer.load(settings.reward_fn, settings.reward_version),
-                        claims=ClaimResolver(platform), metrics=streams_metrics(worker or worker_id()),
+                        claims=ClaimResolver(platform), metrics=streams_metrics(worker or process_id()),
                         ready=lambda: not (app.rebalancing or app.in_recovery))
     app.pipeline = pipeline  # type: ignore[attr-defined]
 

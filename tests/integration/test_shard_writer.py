@@ -148,6 +148,7 @@ def metric_totals(stack: Settings, topics: Topics) -> dict[str, float]:
     for message in read_topic(stack, topics.metrics):
         metric = codec.decode(message.value(), PipelineMetric)
         if metric.source == "shards":
+            assert metric.labels.get("writer"), metric  # which writer: several writers' figures add up
             totals[metric.name] = totals.get(metric.name, 0.0) + metric.value
     return totals
 
