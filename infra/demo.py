@@ -183,7 +183,7 @@ def plan(args: argparse.Namespace, ns: str) -> list[Service]:
     demonstrations = args.sft_updates * args.batch_trajectories
     weights = demonstration_weights(args)
     teacher = [Service("demonstrations", ["producers", "--ns", ns, "--sources", args.sources, "--demonstrations",
-                                          str(demonstrations), "--producer-id", "demonstrations",
+                                          str(demonstrations), "--producer-id", "demonstrations", "--seed", "0",
                                           *(["--weights", weights] if weights else []), *model],
                        oneshot=True)] if demonstrations else []
     return [

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import zlib
 from dataclasses import dataclass, field
 
 from infra.models import resolve_model
@@ -129,7 +130,9 @@ def parser() -> argparse.ArgumentParser:
                    help="installed environments' feedback calls of one turn made at once, each in a thread: a "
                         "feedback that waits on a remote tool or checker waits once a turn, not once an episode")
     p.add_argument("--episodes", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="tasks drawn and sampling (default: from --producer-id, so replicas started alike draw "
+                        "different tasks; give it to repeat a worker's draws)")
     p.add_argument("--no-follow", action="store_true", help="do not hot-load published checkpoints")
     p.add_argument("--curriculum", type=int, default=0, help="skip tasks always/never solved after N attempts")
     p.add_argument("--curriculum-probe", type=float, default=0.05,
@@ -177,7 +180,8 @@ def from_args(argv: list[str] | None = None) -> WorkerSettings:
         group_size=args.group_size, prompts_per_step=args.prompts_per_step, max_turns=args.max_turns,
         temperature=args.temperature, max_new_tokens=args.max_new_tokens, max_policy_lag=args.max_policy_lag,
         sandbox=args.sandbox, sandbox_workers=args.sandbox_workers,
-        tool_workers=args.tool_workers, episodes=args.episodes, seed=args.seed,
+        tool_workers=args.tool_workers, episodes=args.episodes,
+        seed=args.seed if args.seed is not None else zlib.crc32(args.producer_id.encode()) % 2**31,
         follow_checkpoints=not args.no_follow, curriculum_min_attempts=args.curriculum,
         curriculum_probe=args.curriculum_probe,
         max_episodes_per_version=args.max_episodes_per_version, quota_wait_s=args.quota_wait_s,

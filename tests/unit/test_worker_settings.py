@@ -37,3 +37,17 @@ def test_a_long_run_keeps_the_newest_versions_loaded_and_refusals_and_counts_the
         stats.versions_loaded.append(version)
         stats.checkpoints_loaded += 1
     assert list(stats.versions_loaded) == list(range(2 * KEEP_VERSIONS_LOADED, 3 * KEEP_VERSIONS_LOADED))
+
+
+def test_replicas_started_alike_draw_different_tasks_unless_given_a_seed() -> None:
+    """docker-compose starts rollout-worker replicas with the same flags: each one's seed comes from its producer id
+    (host-pid), so they do not draw the same tasks in the same order; --seed still repeats a worker's draws."""
+    from producers.tasks.sources import seeded_source
+    from producers.tasks.mixer import TaskMixer
+
+    a, b = (from_args(["--ns", "seed", "--producer-id", name]) for name in ("rollout-1-host", "rollout-2-host"))
+    assert a.seed != b.seed and from_args(["--ns", "seed", "--producer-id", "rollout-1-host"]).seed == a.seed
+    assert from_args(["--ns", "seed", "--producer-id", "rollout-1-host", "--seed", "7"]).seed == 7
+    mixers = [TaskMixer([seeded_source("math-easy", s.seed)], seed=s.seed) for s in (a, b)]
+    draws = [[mixer.next().task_id for _ in range(8)] for mixer in mixers]
+    assert draws[0] != draws[1]
