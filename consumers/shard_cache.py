@@ -34,8 +34,24 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _writer_alive(tmp_name: str) -> bool:
+    """Whether the process that is writing this temp file still runs: several learners on one host share the
+    default directory (shards are content-addressed), and one starting must not delete another's write."""
+    pid = tmp_name.removeprefix(TMP_PREFIX).split("-", 1)[0]
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False  # an older name without a pid, or this process's own from before (it starts afresh)
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
 class ShardCache:
-    """Files named by their sha256 under `root`; the index survives restarts (rebuilt from mtimes)."""
+    """Files named by their sha256 under `root`; the index survives restarts (rebuilt from mtimes). Processes may
+    share `root`: each one bounds what it indexes, and a file another one evicted is a miss."""
 
     def __init__(self, root: Path | str, max_bytes: int) -> None:
         if max_bytes < 1:
@@ -54,7 +70,8 @@ class ShardCache:
 
     def _load_index(self) -> None:
         for tmp in self.root.glob(f"{TMP_PREFIX}*"):
-            tmp.unlink(missing_ok=True)  # a write that a crash interrupted
+            if not _writer_alive(tmp.name):
+                tmp.unlink(missing_ok=True)  # a write that a crash interrupted (another live process's goes on)
         files = sorted(self.root.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime)
         for path in files:
             self._add(path.name.removesuffix(SUFFIX), path.stat().st_size)
@@ -81,7 +98,10 @@ class ShardCache:
                 self._drop(sha256)
                 return None
             self._sizes.move_to_end(sha256)
-            os.utime(self._path(sha256))  # so the order survives a restart
+            try:
+                os.utime(self._path(sha256))  # so the order survives a restart
+            except FileNotFoundError:
+                pass  # another process sharing the directory evicted it since the read: the bytes are verified
             return data
 
     def put(self, sha256: str, data: bytes) -> None:
@@ -91,7 +111,7 @@ class ShardCache:
         if len(data) > self.max_bytes:
             return  # would evict everything and still not fit
         with self._lock:
-            tmp = self.root / f"{TMP_PREFIX}{uuid.uuid4().hex}"
+            tmp = self.root / f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"  # the pid: see _writer_alive
             with open(tmp, "wb") as fh:
                 fh.write(data)
                 fh.flush()

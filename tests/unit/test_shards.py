@@ -154,3 +154,30 @@ def test_cache_refuses_wrong_bytes_and_skips_oversize(tmp_path: Path) -> None:
     assert sha(big) not in cache and cache.size_bytes == 0
     with pytest.raises(ConfigError):
         ShardCache(tmp_path, max_bytes=0)
+
+
+def test_a_cache_opened_beside_a_live_writer_leaves_its_write_alone(tmp_path: Path) -> None:
+    """Learners on one host share the default cache directory: one starting deletes the temp files of writes a
+    crash interrupted, never one another live process is writing (its rename would fail and stop its learner)."""
+    import subprocess
+    import sys
+
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    try:
+        live = tmp_path / f".tmp-{writer.pid}-{'a' * 32}"
+        crashed = tmp_path / f".tmp-{int(gone.stdout)}-{'b' * 32}"
+        old_style = tmp_path / f".tmp-{'c' * 32}"
+        for path in (live, crashed, old_style):
+            path.write_bytes(b"partial")
+        ShardCache(tmp_path, max_bytes=1000)
+        assert live.exists() and not crashed.exists() and not old_style.exists()
+    finally:
+        writer.kill()
+        writer.wait()
+    data = b"y" * 50
+    cache = ShardCache(tmp_path, max_bytes=1000)
+    cache.put(hashlib.sha256(data).hexdigest(), data)
+    other = ShardCache(tmp_path, max_bytes=1000)  # the other process's view: it evicts the file
+    other._drop(hashlib.sha256(data).hexdigest())
+    assert cache.get(hashlib.sha256(data).hexdigest()) is None  # a miss, not an error
