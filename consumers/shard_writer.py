@@ -26,7 +26,7 @@ from confluent_kafka import KafkaException, Message, TopicPartition
 
 from consumers.batching import BatchBounds, Batcher, OpenBatch
 from consumers.shards import CODECS, read_shard, shard_range, write_shard
-from infra.kafka import Publisher, consumer, read_topic
+from infra.kafka import Publisher, consumer, read_ranges, watermarks
 from infra.metrics import Metrics, process_id, publish
 from infra.objectstore import ObjectStore
 from infra.settings import Settings, add_ns_argument
@@ -119,21 +119,39 @@ class Progress:
 
 
 class WrittenIds:
-    """Trajectory ids already in a published batch (bounded), seeded from the manifests at start."""
+    """Trajectory ids already in a published batch (bounded), from the manifests on the batches topic: read at start,
+    and again from where it was left each time this writer takes over partitions (another writer may have
+    published their batches since; a copy of one of those trajectories the streams stage sends again must be
+    dropped here, not trained twice)."""
 
     def __init__(self, limit: int = 1_000_000) -> None:
         self.limit = limit
         self.ids: OrderedDict[str, None] = OrderedDict()
+        self.read_to: dict[int, int] = {}  # batches partition -> the next offset to read
 
     @classmethod
     def from_manifests(cls, settings: Settings, topics: Topics) -> "WrittenIds":
         written = cls()
-        for msg in read_topic(settings, topics.batches):
-            try:
-                written.add(codec.decode(msg.value() or b"", expect=BatchManifest).trajectory_ids)
-            except DecodeError:
-                continue
+        written.refresh(settings, topics)
         return written
+
+    def refresh(self, settings: Settings, topics: Topics, timeout_s: float = 60.0) -> int:
+        """Read the manifests published since the last read; returns how many."""
+        c = consumer(settings, f"{topics.batches}-written", **{"enable.partition.eof": True})
+        try:
+            marks = watermarks(c, topics.batches, timeout_s)
+            ranges = {p: (max(low, self.read_to.get(p, low)), high) for p, (low, high) in marks.items()}
+            n = 0
+            for msg in read_ranges(c, topics.batches, ranges, timeout_s):
+                n += 1
+                try:
+                    self.add(codec.decode(msg.value() or b"", expect=BatchManifest).trajectory_ids)
+                except DecodeError:
+                    continue
+            self.read_to.update({p: high for p, (_, high) in ranges.items()})
+            return n
+        finally:
+            c.close()
 
     def add(self, ids: Sequence[str]) -> None:
         for tid in ids:
@@ -149,7 +167,7 @@ class ShardWriter:
     """Consumes `<ns>.trajectories.scored` in its own group and turns it into shards and manifests."""
 
     def __init__(self, settings: Settings, config: WriterSettings, store: Optional[ObjectStore] = None) -> None:
-        self.config = config
+        self.config, self.settings = config, settings
         self.topics = Topics(config.ns)
         self.store = store or ObjectStore(settings, retry_for_s=config.store_retry_for_s)
         self.publisher = Publisher(settings)
@@ -223,7 +241,9 @@ class ShardWriter:
             log.info("partitions %s revoked: dropped %d open batch(es) uncommitted", partitions, len(dropped))
 
     def _load_plan(self, partition: int, offset: int) -> None:
-        """Shards already stored from `offset` on: a crash between write and commit left them there."""
+        """Shards already stored from `offset` on: a crash between write and commit left them there; and the
+        batches other writers published before this one took the partition over."""
+        self._refresh_written()
         prefix = shard_key(self.config.ns, self.topics.scored, partition, 0, 0).rsplit("/", 1)[0] + "/"
         keys = self._with_store(f"list {prefix}", lambda: self.store.list(prefix))
         ranges = [shard_range(k) for k in keys or []]
@@ -322,6 +342,19 @@ class ShardWriter:
         except (ObjectNotFound, DecodeError):
             return None
         return (hashlib.sha256(data).hexdigest(), len(data)) if same else None
+
+    def _refresh_written(self) -> None:
+        """The batches published since the last read (by any writer), until the broker answers or the writer
+        stops."""
+        while True:
+            try:
+                self.written.refresh(self.settings, self.topics)
+                return
+            except (KafkaException, TimeoutError) as exc:
+                if self._stopping:
+                    return  # nothing more is written
+                log.warning("reading the batches topic: %s; still trying", exc)
+                time.sleep(1.0)
 
     def _with_store(self, what: str, call: Callable[[], T]) -> Optional[T]:
         """`call()` until it succeeds; None if the writer is stopped while the store is unreachable."""

@@ -250,3 +250,27 @@ def test_a_trajectory_re_emitted_into_the_open_batch_is_written_once(
     assert (manifest.first_offset, manifest.last_offset) == (0, 5)
     assert "duplicates=2" in log.read_text()
     assert committed(stack, topics, f"{topics.ns}.shard-writer")[0] == 6
+
+
+def test_a_writer_that_takes_over_partitions_knows_the_batches_another_writer_published_meanwhile(
+        stack: Settings, topics: Topics, store: ObjectStore, tmp_path: Path) -> None:
+    """Writer B starts while the batches topic is empty; writer A, in the same group, then writes every trajectory
+    and leaves. The streams stage sends one of them again (at least once); B, taking the partition over, drops
+    the copy as a duplicate instead of batching it a second time, which the learner would train on twice."""
+    from consumers.batching import BatchBounds
+    from consumers.shard_writer import ShardWriter, WriterSettings
+
+    records, trajs = scored(topics.ns, {0: 4})
+    produce(stack, topics.scored, records)
+    b = ShardWriter(stack, WriterSettings(ns=topics.ns, bounds=BatchBounds(max_trajectories=2, max_age_s=0.1),
+                                          exit_when_idle_s=3.0, progress_every_s=0.2), store=store)
+    log = tmp_path / "a.log"
+    finish(start_writer(stack, topics.ns, log, "--max-trajectories", "2", "--max-age-s", "0.1",
+                        "--exit-when-idle-s", "3"), log)
+    assert sorted(t for m in manifests(stack, topics) for t in m.trajectory_ids) == sorted(
+        t.trajectory_id for t in trajs)
+    produce(stack, topics.scored, [records[1]])  # the copy, at a later offset
+    assert b.run() == 0
+    assert b.progress.duplicates == 1 and b.progress.batches == 0
+    ids = [t for m in manifests(stack, topics) for t in m.trajectory_ids]
+    assert sorted(ids) == sorted(t.trajectory_id for t in trajs)  # each once
