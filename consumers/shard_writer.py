@@ -129,12 +129,6 @@ class WrittenIds:
         self.ids: OrderedDict[str, None] = OrderedDict()
         self.read_to: dict[int, int] = {}  # batches partition -> the next offset to read
 
-    @classmethod
-    def from_manifests(cls, settings: Settings, topics: Topics) -> "WrittenIds":
-        written = cls()
-        written.refresh(settings, topics)
-        return written
-
     def refresh(self, settings: Settings, topics: Topics, timeout_s: float = 60.0) -> int:
         """Read the manifests published since the last read; returns how many."""
         c = consumer(settings, f"{topics.batches}-written", **{"enable.partition.eof": True})
@@ -184,7 +178,8 @@ class ShardWriter:
         self._last_line = ""
         self._last_report = 0.0
         self._last_message: Optional[float] = None  # None until partitions are assigned
-        self.written = WrittenIds.from_manifests(settings, self.topics)
+        self.written = WrittenIds()
+        self._refresh_written()  # every batch published so far (the broker may be restarting: it waits)
         # windows labelled with the writer (host-pid): several writers' figures add up, none overwrites another's
         self.metrics, self._window_start = Metrics("shards", labels={"writer": process_id()}), int(time.time() * 1000)
         self._published: dict[str, int] = {}  # progress counters already published
