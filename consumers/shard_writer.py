@@ -26,7 +26,7 @@ from confluent_kafka import KafkaException, Message, TopicPartition
 
 from consumers.batching import BatchBounds, Batcher, OpenBatch
 from consumers.shards import CODECS, read_shard, shard_range, write_shard
-from infra.kafka import Publisher, consumer, read_ranges, watermarks
+from infra.kafka import Publisher, consumer, read_past, watermarks
 from infra.metrics import Metrics, process_id, publish
 from infra.objectstore import ObjectStore
 from infra.settings import Settings, add_ns_argument
@@ -133,16 +133,13 @@ class WrittenIds:
         """Read the manifests published since the last read; returns how many."""
         c = consumer(settings, f"{topics.batches}-written", **{"enable.partition.eof": True})
         try:
-            marks = watermarks(c, topics.batches, timeout_s)
-            ranges = {p: (max(low, self.read_to.get(p, low)), high) for p, (low, high) in marks.items()}
             n = 0
-            for msg in read_ranges(c, topics.batches, ranges, timeout_s):
+            for msg in read_past(c, topics.batches, watermarks(c, topics.batches, timeout_s), self.read_to, timeout_s):
                 n += 1
                 try:
                     self.add(codec.decode(msg.value() or b"", expect=BatchManifest).trajectory_ids)
                 except DecodeError:
                     continue
-            self.read_to.update({p: high for p, (_, high) in ranges.items()})
             return n
         finally:
             c.close()

@@ -32,7 +32,6 @@ from schemas.records import PipelineMetric
 from schemas.topics import Topics
 
 
-
 def tag_of(metric: PipelineMetric) -> str:
     """`source/name`, then `/label_value` per label that tells series apart, in TensorBoard's tag characters."""
     parts = [metric.source, metric.name] + [f"{k}_{v}" for k, v in sorted(metric.labels.items())

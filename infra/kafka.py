@@ -179,6 +179,16 @@ def read_topic(settings: Settings, topic: str, timeout: float = 60.0) -> Iterato
         c.close()
 
 
+def read_past(c: Consumer, topic: str, marks: dict[int, tuple[int, int]], read_to: dict[int, int],
+              timeout: float = 60.0) -> Iterator[Message]:
+    """The records a reader that follows `topic` has not read yet: each partition's from `read_to` (the next offset
+    to read; from the low watermark where that is unset or deleted) to its high watermark in `marks` (`watermarks`).
+    Once every partition is read, `read_to` moves to those ends; a read cut short reads them again next time."""
+    ranges = {p: (max(low, read_to.get(p, low)), high) for p, (low, high) in marks.items()}
+    yield from read_ranges(c, topic, ranges, timeout)
+    read_to.update({p: high for p, (_, high) in ranges.items()})
+
+
 def read_ranges(c: Consumer, topic: str, ranges: dict[int, tuple[int, int]], timeout: float = 60.0
                 ) -> Iterator[Message]:
     """The records of each partition from its start offset up to its end (start, end), through a consumer made

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from confluent_kafka import KafkaException
 
-from infra.kafka import consumer, read_ranges, watermarks
+from infra.kafka import consumer, read_past, watermarks
 from infra.settings import Settings
 from schemas.codec import codec
 from schemas.errors import DecodeError
@@ -68,9 +68,8 @@ class LearnerDemand:
 
     def _read(self, marks: dict[int, tuple[int, int]]) -> None:
         """Read every partition from where it was left (or its start) to its high watermark."""
-        ranges = {p: (max(low, self._read_to.get(p, low)), high) for p, (low, high) in marks.items()}
         found: list[tuple[int, int]] = []  # taken only once every partition is read (a timeout reads it again)
-        for msg in read_ranges(self._client(), self.topic, ranges, self.timeout_s):
+        for msg in read_past(self._client(), self.topic, marks, self._read_to, self.timeout_s):
             try:
                 batch = codec.decode(msg.value() or b"", expect=BatchManifest)
             except DecodeError:
@@ -79,7 +78,6 @@ class LearnerDemand:
                 found.append((msg.partition() or 0, msg.offset() or 0))
         for part, offset in sorted(found):
             self._rollouts.setdefault(part, array("q")).append(offset)
-        self._read_to.update({p: end for p, (_, end) in ranges.items()})
 
     def _forget_deleted(self, marks: dict[int, tuple[int, int]]) -> None:
         """Drop the offsets below each partition's low watermark: retention deleted those batches, and no count

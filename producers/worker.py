@@ -66,6 +66,10 @@ class WorkerStats:
     # (version, seconds from its announcement to this worker generating with it), not yet published
     load_latencies: list[tuple[int, float]] = field(default_factory=list)
 
+    def loaded(self, version: int) -> None:
+        self.versions_loaded.append(version)
+        self.checkpoints_loaded += 1
+
     def add(self, s: StepSummary) -> None:
         self.steps += 1
         self.episodes += s.episodes
@@ -143,8 +147,7 @@ class RolloutWorker:
         event = find_announcement(platform, Topics(ns), None if version == "latest" else int(version))
         ready = fetch_verified(self.store, event, broadcast=False)  # eval measures the weights themselves
         self.backend.load_weights(ready.weights, ready.version)
-        self.stats.versions_loaded.append(ready.version)
-        self.stats.checkpoints_loaded += 1
+        self.stats.loaded(ready.version)
 
     def stopping(self) -> bool:
         return self._stop
@@ -184,8 +187,7 @@ class RolloutWorker:
             self.grant(ready.version - previous if self.stats.versions_loaded else None)
             self.manifest = ready.manifest
             self.mark_yield()
-            self.stats.versions_loaded.append(ready.version)
-            self.stats.checkpoints_loaded += 1
+            self.stats.loaded(ready.version)
             self.stats.checkpoint_bytes += ready.size
             # generation with it starts now: the step that follows this call
             self.stats.load_latencies.append((ready.version, max(0.0, time.time() - ready.event.ts / 1000)))
@@ -448,7 +450,8 @@ class RolloutWorker:
                 "paused_s": round(self.stats.paused_s, 2), "quota_waits": self.stats.quota_waits,
                 "queue_waits": self.stats.queue_waits,
                 "demand_steps": self.stats.demand_steps,
-                "checkpoints_loaded": self.stats.checkpoints_loaded, "versions_loaded": list(self.stats.versions_loaded),
+                "checkpoints_loaded": self.stats.checkpoints_loaded,
+                "versions_loaded": list(self.stats.versions_loaded),
                 "checkpoint_bytes": self.stats.checkpoint_bytes, "checkpoints_refused": self.follower.refused_count,
                 "refusals": list(self.follower.refused), "curriculum_skips": dict(self.mixer.skips),
                 "curriculum_probes": self.mixer.probes, "curriculum_exhausted": self.mixer.exhausted}

@@ -4,8 +4,8 @@ scored trajectory.
 Counters are cumulative per input partition (streams.counting), published as `total` records; the windows
 carry the means, gauges and rates, and are bounded in event time (the newest event's timestamp), so a replay
 of history publishes windows at the history's times. Rates are per wall second: they describe the worker, and
-its windows carry a `worker` label (host-pid, infra.metrics.process_id), so the figures of several workers add up instead of overwriting
-each other.
+its windows carry a `worker` label (host-pid, infra.metrics.process_id), so the figures of several workers add up
+instead of overwriting each other.
 """
 from __future__ import annotations
 

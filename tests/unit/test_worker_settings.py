@@ -34,9 +34,9 @@ def test_a_long_run_keeps_the_newest_versions_loaded_and_refusals_and_counts_the
     assert follower.refused[-1] == f"checkpoint v{5 * KEEP_REFUSALS - 1} refused: corrupt"
     stats = WorkerStats()
     for version in range(3 * KEEP_VERSIONS_LOADED):
-        stats.versions_loaded.append(version)
-        stats.checkpoints_loaded += 1
+        stats.loaded(version)
     assert list(stats.versions_loaded) == list(range(2 * KEEP_VERSIONS_LOADED, 3 * KEEP_VERSIONS_LOADED))
+    assert stats.checkpoints_loaded == 3 * KEEP_VERSIONS_LOADED
 
 
 def test_replicas_started_alike_draw_different_tasks_unless_given_a_seed() -> None:
