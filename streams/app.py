@@ -90,6 +90,7 @@ def build_app(settings: StreamSettings, platform: Optional[Settings] = None, out
         outbox = KafkaOutbox(platform)
     app.outbox = outbox
     app.batch_topics = frozenset({topics.events, topics.trajectories})  # each read by one agent, in batches
+    app.batch_max = settings.batch_max
     tables = _tables(app, topics)
     pipeline = Pipeline(settings, topics, tables, outbox, scorer or Scorer.load(settings.reward_fn, settings.reward_version),
                         claims=ClaimResolver(platform), metrics=streams_metrics(worker or process_id()),
@@ -137,22 +138,20 @@ def _agents(app: faust.App, topics: Topics, settings: StreamSettings, pipeline: 
         async for batch in batches(stream, settings.batch_max, settings.batch_wait_s):
             if fault_hit("wedged_batch"):  # a crash test's stuck agent: only the stall watchdog gets it going
                 await asyncio.Event().wait()
-            await _or_stop(app, pipeline.on_events([event.message for event in batch]))  # type: ignore[arg-type]
+            await _or_stop(app, pipeline.on_events(batch.messages))  # type: ignore[arg-type]
             if fault_hit("processed_batch"):  # a crash test's kill -9 between a batch's outputs and its commit
                 await pipeline.flush_metrics()
                 await pipeline.outbox.flush()
                 faults.kill()
-            for event in batch:
-                event.ack()
+            batch.ack()
             yield len(batch)  # lets agent.test_context() see each batch done
 
     @app.agent(topic(topics.trajectories), name="group", concurrency=1)
     async def group(stream: StreamT) -> AsyncIterator[int]:
         """Scored trajectories in, groups with advantages and per-task pass rates out."""
         async for batch in batches(stream, settings.batch_max, settings.batch_wait_s):
-            await _or_stop(app, pipeline.on_trajectories([event.message for event in batch]))  # type: ignore[arg-type]
-            for event in batch:
-                event.ack()
+            await _or_stop(app, pipeline.on_trajectories(batch.messages))  # type: ignore[arg-type]
+            batch.ack()
             yield len(batch)
 
     return {"assemble": assemble, "group": group}

@@ -1,9 +1,8 @@
 """Faust plumbing at batch cost, keeping Faust's consumer group, acks, commits and table recovery.
 
-    async for batch in batches(stream, max_size=4000, wait_s=0.02):   # events of one agent
-        ...                                                          # outputs to app.outbox
-        for event in batch:
-            event.ack()                                              # then Faust may commit them
+    async for batch in batches(stream, max_size=4000, wait_s=0.02):   # what one agent's channel holds
+        ...batch.messages...                                         # outputs to app.outbox
+        batch.ack()                                                  # then Faust may commit them
 """
 from __future__ import annotations
 
@@ -14,12 +13,89 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Generic, Optional, T
 import faust
 from faust.transport.drivers import aiokafka as driver
 from faust.types import TP, EventT, StreamT, TableT
+from faust.types.tuples import ack_lock
 
 from streams.outbox import Outbox
 
 log = logging.getLogger(__name__)
 V = TypeVar("V")
 SMALL_BATCH = 8  # a batch under 1/8 of the maximum waits for more events
+CHUNK = 256  # records of one partition handed to an agent at once (at most the batch's maximum)
+
+
+class Record:
+    """A fetched record as the stages read it (`streams.pipeline.Message`): what Faust's message holds of it."""
+
+    __slots__ = ("topic", "partition", "offset", "key", "value", "timestamp_ms")
+
+    def __init__(self, topic: str, partition: int, offset: int, key: Optional[bytes], value: Optional[bytes],
+                 timestamp_ms: Optional[int]) -> None:
+        self.topic, self.partition, self.offset = topic, partition, offset
+        self.key, self.value, self.timestamp_ms = key, value, timestamp_ms
+
+    @property
+    def timestamp(self) -> float:
+        return (self.timestamp_ms or 0) / 1000.0
+
+
+class Budget:
+    """How many handed-over records an agent's channel holds: the consumer waits while it holds its maximum."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.pending = 0
+        self.drained = asyncio.Event()
+
+    def take(self, n: int) -> None:
+        self.pending = max(self.pending - n, 0)
+        if self.pending < self.limit:
+            self.drained.set()
+
+    def recount(self, queue: Any) -> None:
+        """The records of the chunks the queue still holds (a rebalance clears the queue without a take)."""
+        self.pending = sum(len(item.records) for item in list(queue._queue) if isinstance(item, Chunk))
+
+
+class Chunk:
+    """Consecutive records of one partition put into an agent's channel as one item, acked together: Faust's
+    conductor would make a message, an event and an ack for each."""
+
+    __slots__ = ("consumer", "tp", "records", "budget")
+
+    def __init__(self, consumer: Optional["BatchConsumer"], tp: Any, records: list[Record], budget: Budget) -> None:
+        self.consumer, self.tp, self.records, self.budget = consumer, tp, records, budget
+
+    def ack(self) -> None:
+        if self.consumer is not None:
+            self.consumer.ack_offsets(self.tp, self.records[0].topic, [r.offset for r in self.records])
+
+
+class Batch:
+    """What an agent took from its channel: the messages in order, acked together once their outputs are sent."""
+
+    __slots__ = ("messages", "events", "chunks")
+
+    def __init__(self) -> None:
+        self.messages: list[Any] = []
+        self.events: list[EventT] = []
+        self.chunks: list[Chunk] = []
+
+    def add(self, item: Any) -> None:
+        if isinstance(item, Chunk):
+            self.chunks.append(item)
+            self.messages.extend(item.records)
+        else:  # an event Faust's conductor (or an agent's test context) put there
+            self.events.append(item)
+            self.messages.append(item.message)
+
+    def ack(self) -> None:
+        for event in self.events:
+            event.ack()
+        for chunk in self.chunks:
+            chunk.ack()
+
+    def __len__(self) -> int:
+        return len(self.messages)
 
 
 def fetch_position(client: Any, tp: Any) -> Optional[int]:
@@ -37,17 +113,15 @@ class BatchConsumer(driver.Consumer):
     Measured on 2 cores, a Faust agent that does nothing moves ~5k events/s, `stream.take` included: the
     consumer wraps every message in `wait_first` (four asyncio tasks a message), and the stream iterates one
     event at a time. This hands each message to the conductor directly; `batches` then skips the stream.
-    A message of a topic in `StreamsApp.batch_topics` (raw bytes, read by one agent) skips the conductor too:
-    it goes into the agent's channel as the conductor would put it, without the conductor's lock, its
-    serializers (raw bytes stay bytes) and its check of Faust's producer buffer, which this worker never
-    fills (it writes through the outbox). In a py-spy profile of `bench_streams.py` that cut handing a record
-    to the agent from 12.7% of the worker's samples to about 5%.
+    The records of a topic in `StreamsApp.batch_topics` (raw bytes, read by one agent) skip the conductor and
+    Faust's messages and events too: up to `CHUNK` consecutive records of a partition go into the agent's
+    channel as one `Chunk`, acked together (`ack_offsets`, Faust's ack bookkeeping for a list of offsets), and
+    the consumer stops fetching while the channel holds `stream_buffer_maxsize` records.
     """
 
     seeks = 0  # perform_seek calls: a fetch that spans one returns records from before the seek
     handed_over = 0  # records put into an agent's channel without the conductor
-    _event_type: Any = None  # the app's Event class (read once: each read of a setting costs)
-    _pressure: Optional[dict[Any, tuple[Callable[[], None], Callable[[], None]]]] = None
+    _budgets: Optional[dict[int, Budget]] = None  # by id of the agent's channel
 
     def _batch_channel(self, tp: Any) -> Any:
         """The channel of the only agent reading `tp`, when its topic is read in batches; else None."""
@@ -56,45 +130,28 @@ class BatchConsumer(driver.Consumer):
         channels = self.app.topics._tp_index.get(tp)  # type: ignore[attr-defined]
         return next(iter(channels)) if channels is not None and len(channels) == 1 else None
 
-    async def _hand_over(self, channel: Any, message: Any) -> None:
-        """Put the message into the channel as Faust's conductor does: an Event holding one reference, acked
-        by the agent; while a rebalance suspends the flow, wait."""
-        flow = self.app.flow_control
-        if not flow.is_active():
-            await flow.acquire()
-        tp = message.tp
-        message.incref(1)
-        if self._event_type is None:
-            self._event_type = self.app.conf.Event
-        event = self._event_type(self.app, message.key, message.value, message.headers, message)
-        queue = channel.queue
-        if queue.full():
-            self.app.sensors.on_topic_buffer_full(tp)
-            await channel.put(event)
-        else:
-            high, drop = self._pressure_callbacks(tp)
-            queue.put_nowait_enhanced(event, on_pressure_high=high, on_pressure_drop=drop)
-        self.handed_over += 1
-
-    def _pressure_callbacks(self, tp: Any) -> tuple[Callable[[], None], Callable[[], None]]:
-        """The conductor's callbacks for a filling channel: stop fetching the partition, and fetch it again once
-        the agent drained it. The queue keeps the second in a set, so each partition's stay the same objects."""
-        if self._pressure is None:
-            self._pressure = {}
-        found = self._pressure.get(tp)
+    def _budget(self, channel: Any) -> Budget:
+        if self._budgets is None:
+            self._budgets = {}
+        found = self._budgets.get(id(channel))
         if found is None:
-            # Faust's own TP: the consumer's partition sets assert it, and the fetched records carry aiokafka's
-            tp = TP(tp.topic, tp.partition)
-
-            def high() -> None:
-                self.app.sensors.on_topic_buffer_full(tp)
-                self.on_buffer_full(tp)
-
-            def drop() -> None:
-                self.on_buffer_drop(tp)
-
-            found = self._pressure[tp] = (high, drop)
+            found = self._budgets[id(channel)] = Budget(max(int(self.app.conf.stream_buffer_maxsize), 1))
         return found
+
+    def ack_offsets(self, tp: Any, topic: str, offsets: list[int]) -> None:
+        """`Consumer.ack` for many offsets of one partition at once: Faust commits up to the first gap."""
+        if not self.app.topics.acks_enabled_for(topic):
+            return
+        with ack_lock:
+            committed = self._committed_offset[tp]
+            index = self._acked_index[tp]
+            fresh = [o for o in offsets if (committed is None or o >= committed) and o not in index]
+            index.update(fresh)
+            self._acked[tp].extend(fresh)
+            self._n_acked += len(fresh)
+            waiting = self._waiting_for_ack
+            if waiting is not None and not waiting.done():
+                waiting.set_result(None)
 
     async def perform_seek(self) -> None:
         self.seeks += 1
@@ -158,22 +215,40 @@ class BatchConsumer(driver.Consumer):
                 delivered = dict.fromkeys(records, 0)
                 for tp in records:  # the lag the monitor shows: each partition's end, once a fetch
                     self.app.monitor.track_tp_end_offset(tp, self.highwater(tp))
-                paused: set[Any] = set()
+                channels = {tp: self._batch_channel(tp) for tp in records}
+                stopped = False
                 n = 0
-                for tp, record in self.scheduler.iterate(records):
+                plain = {tp: rs for tp, rs in records.items() if channels[tp] is None}
+                paused: set[Any] = set()
+                for tp, record in self.scheduler.iterate(plain) if plain else ():
                     if suspended() or self._epoch() != epoch:
+                        stopped = True
                         break  # a rebalance or seek: what is left is rewound below (or the seek moved it)
                     if tp in paused:
                         continue
-                    if tp not in self._get_active_partitions() and tp not in self._buffered_partitions:
+                    if not self._is_active(tp):
                         paused.add(tp)  # paused since the fetch (recovery): its records come again
                         continue
                     if not await self._deliver(tp, self._to_message(tp, record), callback, epoch):
+                        stopped = True
                         break
                     delivered[tp] += 1
                     n += 1
                     if n % 256 == 0:
                         await asyncio.sleep(0)  # let agents and timers run during large fetches
+                for tp, rs in records.items():
+                    channel = channels[tp]
+                    while not stopped and channel is not None and delivered[tp] < len(rs):
+                        if suspended() or self._epoch() != epoch:
+                            stopped = True
+                        elif not self._is_active(tp):
+                            break
+                        elif await self._deliver_chunk(tp, rs[delivered[tp]:delivered[tp] + self._chunk_size()],
+                                                       channel, epoch):
+                            delivered[tp] = min(delivered[tp] + self._chunk_size(), len(rs))
+                            await asyncio.sleep(0)
+                        else:
+                            stopped = True
                 await self._rewind({tp: rs[delivered[tp]].offset for tp, rs in records.items()
                                     if delivered[tp] < len(rs)}, positions)
         except self.consumer_stopped_errors:
@@ -188,11 +263,8 @@ class BatchConsumer(driver.Consumer):
     async def _deliver(self, tp: Any, message: Any, callback: Any, epoch: tuple[int, int]) -> bool:  # pragma: no cover
         """Hand one record to the agents; False when a rebalance completed meanwhile."""
         offset = message.offset
-        if self._commit_every is not None and self._n_acked >= self._commit_every:
-            self._n_acked = 0
-            await self.commit()  # awaits the outbox: a rebalance may complete meanwhile
-            if self._epoch() != epoch:
-                return False
+        if not await self._commit_if_due(epoch):
+            return False
         read = self._read_offset[tp]
         if read is not None and offset < read:
             return True
@@ -200,14 +272,68 @@ class BatchConsumer(driver.Consumer):
             await self._add_gap(tp, read + 1, offset)  # compacted or transactional gaps stay committable
         if self._epoch() != epoch:
             return False
-        channel = self._batch_channel(tp)
-        if channel is None:  # either waits only while Faust's flow is suspended (a rebalance) or a queue is full
-            await callback(message)
-        else:
-            await self._hand_over(channel, message)
+        await callback(message)  # waits only while Faust's flow is suspended (a rebalance) or a queue is full
         if self._epoch() != epoch:  # the seek set the read offset; this record's would be stale
             return False
         self._read_offset[tp] = offset
+        return True
+
+
+    async def _commit_if_due(self, epoch: tuple[int, int]) -> bool:
+        if self._commit_every is not None and self._n_acked >= self._commit_every:
+            self._n_acked = 0
+            await self.commit()  # awaits the outbox: a rebalance may complete meanwhile
+            return self._epoch() == epoch
+        return True
+
+    def _is_active(self, tp: Any) -> bool:
+        return tp in self._get_active_partitions() or tp in self._buffered_partitions
+
+    def _chunk_size(self) -> int:
+        return max(1, min(CHUNK, int(getattr(self.app, "batch_max", CHUNK))))
+
+    async def _deliver_chunk(self, tp: Any, records: list[Any], channel: Any, epoch: tuple[int, int]
+                             ) -> bool:  # pragma: no cover - runs against a broker
+        """Hand consecutive records of one partition to its agent as one chunk, as `_deliver` hands each record
+        (gaps in the offsets stay committable, records before the read offset are skipped); False when a
+        rebalance or seek came meanwhile."""
+        if not await self._commit_if_due(epoch):
+            return False
+        read = self._read_offset[tp]
+        if read is not None and records[0].offset < read:
+            records = [r for r in records if r.offset >= read]
+            if not records:
+                return True
+        if self.app.topics.acks_enabled_for(records[0].topic):
+            previous = read
+            if previous or records[-1].offset - records[0].offset != len(records) - 1:
+                for record in records:
+                    if previous and record.offset - previous > 1:
+                        await self._add_gap(tp, previous + 1, record.offset)
+                    previous = record.offset
+        budget = self._budget(channel)
+        while budget.pending >= budget.limit:
+            budget.recount(channel.queue)
+            if budget.pending < budget.limit:
+                break
+            budget.drained.clear()
+            try:
+                await asyncio.wait_for(budget.drained.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+            if self.should_stop or self._epoch() != epoch:
+                return False
+        flow = self.app.flow_control
+        if not flow.is_active():
+            await flow.acquire()
+        if self._epoch() != epoch:
+            return False
+        chunk = Chunk(self, tp, [Record(r.topic, r.partition, r.offset, r.key, r.value, r.timestamp)
+                                 for r in records], budget)
+        channel.queue.put_nowait(chunk)
+        budget.pending += len(records)
+        self.handed_over += len(records)
+        self._read_offset[tp] = records[-1].offset
         return True
 
 
@@ -231,6 +357,7 @@ class StreamsApp(faust.App):
 
     outbox: Optional[Outbox] = None
     batch_topics: frozenset[str] = frozenset()  # topics of raw bytes, one agent each, read by `batches`
+    batch_max: int = CHUNK  # the agents' largest batch: a chunk holds no more
     failure: Optional[BaseException] = None  # set when a batch failed: the worker exits non-zero
     stop_worker: Optional[Callable[[], None]] = None  # how a failed batch stops the worker (set by __main__)
     on_stopping: Optional[Callable[[], Awaitable[None]]] = None  # e.g. publish the last metrics window
@@ -252,20 +379,24 @@ class StreamsApp(faust.App):
         return Transport(self.conf.broker_producer, self)
 
 
-async def batches(stream: StreamT, max_size: int, wait_s: float) -> AsyncIterator[list[EventT]]:
-    """Events of the agent's stream in lists of up to `max_size`; waits `wait_s` for a small list to fill
-    (fewer changelog writes per event), never when the stream is busy (the wait would only idle the worker).
+async def batches(stream: StreamT, max_size: int, wait_s: float) -> AsyncIterator[Batch]:
+    """What the agent's channel holds, in batches of up to `max_size` messages (a chunk is never split: one
+    ends a batch early rather than make it larger); waits `wait_s` for a small batch to fill (fewer changelog
+    writes per event), never when the stream is busy (the wait would only idle the worker).
 
-    The caller must ack every event of a list (`event.ack()`) once its outputs are queued.
+    The caller must ack each batch (`batch.ack()`) once its outputs are queued.
     """
     queue = aiter(stream.channel).queue  # type: ignore[attr-defined]
+    carried: Optional[Any] = None  # an item that would have made the last batch too large
     while True:
+        batch = Batch()
         try:
-            batch = [await queue.get()]
-            _drain(queue, batch, max_size)
-            if len(batch) * SMALL_BATCH < max_size and wait_s > 0:
+            if carried is None:
+                carried = _taken(await queue.get())
+            carried = _drain(queue, batch, max_size, carried)
+            if carried is None and len(batch) * SMALL_BATCH < max_size and wait_s > 0:
                 await asyncio.sleep(wait_s)
-                _drain(queue, batch, max_size)
+                carried = _drain(queue, batch, max_size, None)
         except StopAsyncIteration:
             # Faust stops a stream by throwing this into its channel, also while a batch fills: the
             # batch's events are not acked, so a restarted worker gets them again.
@@ -273,9 +404,23 @@ async def batches(stream: StreamT, max_size: int, wait_s: float) -> AsyncIterato
         yield batch
 
 
-def _drain(queue: Any, batch: list[EventT], max_size: int) -> None:
-    while len(batch) < max_size and not queue.empty():
-        batch.append(queue.get_nowait())
+def _taken(item: Any) -> Any:
+    if isinstance(item, Chunk):
+        item.budget.take(len(item.records))
+    return item
+
+
+def _drain(queue: Any, batch: Batch, max_size: int, item: Optional[Any]) -> Optional[Any]:
+    """Items into the batch, starting with `item`, until it is full; returns one taken that did not fit."""
+    while True:
+        if item is None:
+            if len(batch) >= max_size or queue.empty():
+                return None
+            item = _taken(queue.get_nowait())
+        if batch.messages and len(batch) + (len(item.records) if isinstance(item, Chunk) else 1) > max_size:
+            return item
+        batch.add(item)
+        item = None
 
 
 class PartitionedTable(Generic[V]):

@@ -20,7 +20,7 @@ from streams import counting
 from streams.app import build_app
 from streams.outbox import MemoryOutbox
 from streams.rewards import RewardResult
-from streams.runtime import StreamsApp, batches
+from streams.runtime import Budget, Chunk, Record, StreamsApp, batches
 from streams.scoring import Scorer
 from streams.settings import StreamSettings
 from streams.state import counts_key, load_closed_episode, load_episode, load_group, load_task_count
@@ -771,7 +771,8 @@ def test_a_stream_stopped_while_a_small_batch_waits_to_fill_ends_its_agent_quiet
     async def stop_while_waiting() -> list[list[Any]]:
         stream = app.stream(aiter(app.channel()))
         queue = aiter(stream.channel).queue  # type: ignore[attr-defined]
-        await queue.put("first event")
+        budget = Budget(10)
+        await queue.put(Chunk(None, ("events", 0), [Record("events", 0, 0, b"k", b"v", 0)], budget))
         handed: list[list[Any]] = []
 
         async def agent() -> None:
