@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional
 
-from schemas.records import TaskStats
+from schemas.records import TaskStats, evolve
 from streams.fastcodec import Summary
 from streams.rewards import DEMONSTRATION, NOT_TRAINABLE, TRAINABLE_STATUSES
 
@@ -91,7 +91,7 @@ def add_member(state: Optional[GroupState], member: Member, partition: int = 0) 
         state = GroupState(head.group_id, head.group_size, head.ended_ts, partition)
     if head.trajectory_id in state.trajectory_ids:
         return state
-    return replace(state, size=state.size or head.group_size, first_ts=min(state.first_ts, head.ended_ts),
+    return evolve(state, size=state.size or head.group_size, first_ts=min(state.first_ts, head.ended_ts),
                    members=state.members + (member,))
 
 

@@ -6,10 +6,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from schemas.errors import RewardError
-from schemas.records import Trajectory
+from schemas.records import Trajectory, evolve
 from streams.rewards import RewardFn, RewardResult, get_reward_fn
 
 
@@ -33,7 +33,7 @@ class Scorer:
             raise RewardError(f"reward {self.name} v{self.version} failed on {trajectory.trajectory_id}: "
                               f"{exc!r}") from exc
         _check(result, trajectory.trajectory_id)
-        return replace(trajectory, reward=float(result.total),
+        return evolve(trajectory, reward=float(result.total),
                        reward_components={k: float(result.components[k]) for k in sorted(result.components)},
                        reward_fn=self.name, reward_version=self.version)
 
