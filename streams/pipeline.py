@@ -56,14 +56,15 @@ PRUNE_EVERY = 30
 
 
 class Message(Protocol):
-    """The parts of a Kafka message the stages read (faust's Message has them)."""
+    """The parts of a Kafka message the stages read (aiokafka's ConsumerRecord has them; streams.runtime.Record
+    holds them for a message Faust made)."""
 
     topic: str
     partition: int
     offset: int
     key: Optional[bytes]
     value: Optional[bytes]
-    timestamp: float
+    timestamp: int  # milliseconds
 
 
 @dataclass
@@ -564,7 +565,7 @@ class Pipeline:
     # ---- dead letters ------------------------------------------------------------------------
     def _reject(self, message: Message, reason: str, detail: str, stage: str,
                 event: Optional[RolloutEvent] = None) -> None:
-        ts = event.ts if event is not None else int(round(message.timestamp * 1000))
+        ts = event.ts if event is not None else int(message.timestamp)
         self._dead_letter(DeadLetter(reason=reason, detail=detail[:MAX_DETAIL], stage=stage,
                                      source_topic=message.topic, partition=message.partition, offset=message.offset,
                                      key=message.key, original=message.value or b"", ts=ts))

@@ -24,18 +24,21 @@ CHUNK = 256  # records of one partition handed to an agent at once (at most the 
 
 
 class Record:
-    """A fetched record as the stages read it (`streams.pipeline.Message`): what Faust's message holds of it."""
+    """A message Faust made (an agent's test context puts them), as the stages read it: see
+    `streams.pipeline.Message`. Chunks hand aiokafka's records over as they are."""
 
-    __slots__ = ("topic", "partition", "offset", "key", "value", "timestamp_ms")
+    __slots__ = ("topic", "partition", "offset", "key", "value", "timestamp")
 
     def __init__(self, topic: str, partition: int, offset: int, key: Optional[bytes], value: Optional[bytes],
-                 timestamp_ms: Optional[int]) -> None:
+                 timestamp: int) -> None:
         self.topic, self.partition, self.offset = topic, partition, offset
-        self.key, self.value, self.timestamp_ms = key, value, timestamp_ms
+        self.key, self.value, self.timestamp = key, value, timestamp
 
-    @property
-    def timestamp(self) -> float:
-        return (self.timestamp_ms or 0) / 1000.0
+    @classmethod
+    def of(cls, message: Any) -> "Record":
+        """Faust's message, whose timestamp is in seconds."""
+        return cls(message.topic, message.partition, message.offset, message.key, message.value,
+                   int(round((message.timestamp or 0) * 1000)))
 
 
 class Budget:
@@ -62,7 +65,7 @@ class Chunk:
 
     __slots__ = ("consumer", "tp", "records", "budget")
 
-    def __init__(self, consumer: Optional["BatchConsumer"], tp: Any, records: list[Record], budget: Budget) -> None:
+    def __init__(self, consumer: Optional["BatchConsumer"], tp: Any, records: list[Any], budget: Budget) -> None:
         self.consumer, self.tp, self.records, self.budget = consumer, tp, records, budget
 
     def ack(self) -> None:
@@ -86,7 +89,7 @@ class Batch:
             self.messages.extend(item.records)
         else:  # an event Faust's conductor (or an agent's test context) put there
             self.events.append(item)
-            self.messages.append(item.message)
+            self.messages.append(Record.of(item.message))
 
     def ack(self) -> None:
         for event in self.events:
@@ -328,8 +331,7 @@ class BatchConsumer(driver.Consumer):
             await flow.acquire()
         if self._epoch() != epoch:
             return False
-        chunk = Chunk(self, tp, [Record(r.topic, r.partition, r.offset, r.key, r.value, r.timestamp)
-                                 for r in records], budget)
+        chunk = Chunk(self, tp, records, budget)  # aiokafka's records: the stages read their fields
         channel.queue.put_nowait(chunk)
         budget.pending += len(records)
         self.handed_over += len(records)

@@ -190,7 +190,7 @@ class InMemory:
     offset: int
     key: Optional[bytes]
     value: Optional[bytes]
-    timestamp: float = 1.7e9
+    timestamp: int = 1_700_000_000_000  # ms
 
 
 def as_messages(topic: str, records: list[tuple[bytes, bytes]], partitions: int) -> list[InMemory]:
