@@ -788,6 +788,55 @@ def test_a_stream_stopped_while_a_small_batch_waits_to_fill_ends_its_agent_quiet
     assert asyncio.run(stop_while_waiting()) == []
 
 
+def test_a_batch_takes_whole_chunks_and_the_one_that_would_overfill_it_starts_the_next() -> None:
+    """The consumer hands a partition's records to its agent in chunks (streams.runtime.Chunk): a batch never
+    splits one and never grows past its maximum; each chunk leaves the channel's budget once, when taken."""
+    app, _ = make_app()
+    app.flow_control.resume()
+    budget = Budget(100)
+
+    def chunk(first: int, n: int) -> Chunk:
+        return Chunk(None, ("events", 0), [Record("events", 0, o, b"k", b"v", 0) for o in range(first, first + n)],
+                     budget)
+
+    async def scenario() -> list[list[int]]:
+        stream = app.stream(aiter(app.channel()))
+        queue = aiter(stream.channel).queue  # type: ignore[attr-defined]
+        for first in (0, 3, 6, 9):
+            queue.put_nowait(chunk(first, 3))
+        budget.pending = 12
+        taken: list[list[int]] = []
+        async for batch in batches(stream, max_size=5, wait_s=0.0):
+            taken.append([m.offset for m in batch.messages])
+            if sum(map(len, taken)) == 12:
+                break
+        return taken
+
+    assert asyncio.run(scenario()) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    assert budget.pending == 0 and budget.drained.is_set()
+
+
+def test_acking_chunks_makes_their_offsets_committable_up_to_the_first_gap() -> None:
+    """`BatchConsumer.ack_offsets` is Faust's ack bookkeeping for a chunk's offsets: a chunk acked out of order
+    leaves the gap before it uncommitted until the chunk in between is acked too; an offset acked twice counts
+    once, and offsets below the committed one are ignored."""
+    from faust.types import TP
+
+    app, _ = make_app()
+    consumer = app.consumer
+    topic = f"{NS}.rollout.events"
+    app.topics._acking_topics.add(topic)  # as the conductor indexes an agent's topic once the worker starts
+    tp = TP(topic, 0)
+    consumer._committed_offset[tp] = 2
+    consumer.ack_offsets(tp, topic, [0, 1, 2, 3])
+    consumer.ack_offsets(tp, topic, [7, 8])
+    assert consumer._new_offset(tp) == 4  # 2, 3 acked; 4..6 not yet
+    consumer._committed_offset[tp] = 4  # as the commit of that offset leaves it
+    consumer.ack_offsets(tp, topic, [4, 5, 6, 7])
+    assert consumer._n_acked == 7  # 2, 3, 7, 8, 4, 5, 6: the second 7 is not counted again
+    assert consumer._new_offset(tp) == 9
+
+
 def test_the_figures_of_two_workers_add_up_in_the_monitor() -> None:
     """Stream workers share the partitions: each one's windows (open episodes, events/s) are its own series, so
     the monitor sums them instead of showing whichever worker published last."""
