@@ -1,6 +1,7 @@
 """Frozen dataclasses mirroring the .avsc files one to one (field names and order)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, TypeVar, Union
 
@@ -76,6 +77,22 @@ def evolve(record: R, **changes: Any) -> R:
     changed fields are already checked (events by the schema and streams.validation, rewards by the scorer)."""
     new: Any = object.__new__(type(record))
     new.__dict__.update(record.__dict__, **changes)
+    return new  # type: ignore[no-any-return]
+
+
+_FIELD_COUNTS: dict[type, int] = {}
+
+
+def build(cls: type[R], **fields: Any) -> R:
+    """A frozen dataclass without its __init__ (which sets each field through object.__setattr__): for the hot
+    path's records, whose fields are already checked. Every field must be given."""
+    count = _FIELD_COUNTS.get(cls)
+    if count is None:
+        count = _FIELD_COUNTS[cls] = len(dataclasses.fields(cls))  # type: ignore[arg-type]
+    if len(fields) != count:
+        raise TypeError(f"{cls.__name__} has {count} fields, {len(fields)} given")
+    new: Any = object.__new__(cls)
+    new.__dict__.update(fields)
     return new  # type: ignore[no-any-return]
 
 

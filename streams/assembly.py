@@ -30,6 +30,7 @@ from schemas.records import (
     SourcePosition,
     Trajectory,
     TrajectoryTurn,
+    build,
     evolve,
 )
 
@@ -105,15 +106,16 @@ def fold(state: Optional[EpisodeState], event: RolloutEvent, position: SourcePos
     _check_same_episode(state, event)
     body = event.body
     if isinstance(body, PolicyTurn):
-        state = _add_turn(state, event, body)
+        changes = _add_turn(state, event, body)
     elif isinstance(body, SandboxResult):
-        state = _add_result(state, body)
+        changes = _add_result(state, body)
     elif isinstance(body, EpisodeEnded):
-        state = _end(state, body)
+        changes = _end(state, body)
     else:
         raise ValidationError("bad_step", f"a second EpisodeStarted for episode {state.episode_id}")
+    # One copy of the state an event (fold runs once per event): the body's changes and the event's own.
     return evolve(state, positions=state.positions + (position,), event_ids=state.event_ids + (event.event_id,),
-                   seqs=state.seqs + (event.seq,), last_ts=max(state.last_ts, event.ts))
+                  seqs=state.seqs + (event.seq,), last_ts=max(state.last_ts, event.ts), **changes)
 
 
 def _check_same_episode(state: EpisodeState, event: RolloutEvent) -> None:
@@ -127,37 +129,43 @@ def _check_same_episode(state: EpisodeState, event: RolloutEvent) -> None:
                                               f"{getattr(state, name)!r}")
 
 
-def _add_turn(state: EpisodeState, event: RolloutEvent, body: PolicyTurn) -> EpisodeState:
+# A turn's fields before its sandbox result: new turns are copies of it with the PolicyTurn's fields (the frozen
+# dataclass's __init__ sets each field through object.__setattr__; the event's fields are already checked).
+_NEW_TURN = TrajectoryTurn(turn=0, policy_version=0, obs_text="", obs_tokens=b"", text="", tokens=b"", logprobs=b"",
+                           finish_reason="")
+
+
+def _add_turn(state: EpisodeState, event: RolloutEvent, body: PolicyTurn) -> dict[str, object]:
     last = state.turns[-1].turn if state.turns else -1
     if body.turn <= last:
         raise ValidationError("bad_step", f"turn {body.turn} after turn {last}: turn numbers must increase")
     if body.turn >= state.started.max_turns:
         raise ValidationError("bad_step", f"turn {body.turn} but the episode allows {state.started.max_turns}")
-    turn = TrajectoryTurn(turn=body.turn, policy_version=event.policy_version, obs_text=body.obs_text,
-                          obs_tokens=body.obs_tokens, text=body.text, tokens=body.tokens, logprobs=body.logprobs,
-                          finish_reason=body.finish_reason,
-                          # Events written before turns carried it: the episode's own setting is the same fact.
-                          temperature=state.started.temperature if body.temperature is None else body.temperature,
-                          top_p=body.top_p)
+    turn = evolve(_NEW_TURN, turn=body.turn, policy_version=event.policy_version, obs_text=body.obs_text,
+                  obs_tokens=body.obs_tokens, text=body.text, tokens=body.tokens, logprobs=body.logprobs,
+                  finish_reason=body.finish_reason,
+                  # Events written before turns carried it: the episode's own setting is the same fact.
+                  temperature=state.started.temperature if body.temperature is None else body.temperature,
+                  top_p=body.top_p)
     claims = state.claims + (event,) if body.claim is not None else state.claims
-    return evolve(state, turns=state.turns + (turn,), claims=claims)
+    return {"turns": state.turns + (turn,), "claims": claims}
 
 
-def _add_result(state: EpisodeState, body: SandboxResult) -> EpisodeState:
+def _add_result(state: EpisodeState, body: SandboxResult) -> dict[str, object]:
     index = next((i for i, t in enumerate(state.turns) if t.turn == body.turn), None)
     if index is None:
         raise ValidationError("bad_step", f"SandboxResult for turn {body.turn}, which has no PolicyTurn")
     if state.turns[index].outcome:
         raise ValidationError("bad_step", f"a second SandboxResult for turn {body.turn}")
     turn = evolve(state.turns[index], outcome=body.outcome, tests_passed=body.tests_passed,
-                   tests_total=body.tests_total, stderr=body.stderr)
-    return evolve(state, turns=state.turns[:index] + (turn,) + state.turns[index + 1:])
+                  tests_total=body.tests_total, stderr=body.stderr)
+    return {"turns": state.turns[:index] + (turn,) + state.turns[index + 1:]}
 
 
-def _end(state: EpisodeState, body: EpisodeEnded) -> EpisodeState:
+def _end(state: EpisodeState, body: EpisodeEnded) -> dict[str, object]:
     if body.num_turns != len(state.turns):
         raise ValidationError("bad_step", f"EpisodeEnded says {body.num_turns} turns, {len(state.turns)} arrived")
-    return evolve(state, ended=body)
+    return {"ended": body}
 
 
 def with_payloads(state: EpisodeState, resolved: dict[int, PolicyTurn]) -> EpisodeState:
@@ -179,8 +187,8 @@ def to_trajectory(state: EpisodeState, source_topic: str, status: Optional[str] 
     final = status or status_of(state)
     if final is None:
         raise ValueError(f"episode {state.episode_id} has not ended; pass status={ABANDONED!r} to close it")
-    return Trajectory(
-        trajectory_id=trajectory_id(state.episode_id), episode_id=state.episode_id, group_id=state.group_id,
+    return build(
+        Trajectory, trajectory_id=trajectory_id(state.episode_id), episode_id=state.episode_id, group_id=state.group_id,
         task_id=state.task_id, domain=state.domain, run=state.run, status=final,
         task_spec=state.started.task_spec, prompt_text=state.started.prompt_text,
         prompt_tokens=state.started.prompt_tokens, turns=state.turns, reward=0.0, reward_components={},
