@@ -12,8 +12,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Generic, Optional, T
 
 import faust
 from faust.transport.drivers import aiokafka as driver
-from faust.types import TP, EventT, StreamT, TableT
+from faust.types import EventT, StreamT, TableT
 from faust.types.tuples import ack_lock
+from mode.utils.futures import notify
 
 from streams.outbox import Outbox
 
@@ -152,9 +153,7 @@ class BatchConsumer(driver.Consumer):
             index.update(fresh)
             self._acked[tp].extend(fresh)
             self._n_acked += len(fresh)
-            waiting = self._waiting_for_ack
-            if waiting is not None and not waiting.done():
-                waiting.set_result(None)
+            notify(self._waiting_for_ack)
 
     async def perform_seek(self) -> None:
         self.seeks += 1
@@ -239,16 +238,18 @@ class BatchConsumer(driver.Consumer):
                     n += 1
                     if n % 256 == 0:
                         await asyncio.sleep(0)  # let agents and timers run during large fetches
+                size = self._chunk_size()
                 for tp, rs in records.items():
                     channel = channels[tp]
-                    while not stopped and channel is not None and delivered[tp] < len(rs):
+                    if channel is None:
+                        continue
+                    while not stopped and delivered[tp] < len(rs):
                         if suspended() or self._epoch() != epoch:
                             stopped = True
                         elif not self._is_active(tp):
                             break
-                        elif await self._deliver_chunk(tp, rs[delivered[tp]:delivered[tp] + self._chunk_size()],
-                                                       channel, epoch):
-                            delivered[tp] = min(delivered[tp] + self._chunk_size(), len(rs))
+                        elif await self._deliver_chunk(tp, rs[delivered[tp]:delivered[tp] + size], channel, epoch):
+                            delivered[tp] = min(delivered[tp] + size, len(rs))
                             await asyncio.sleep(0)
                         else:
                             stopped = True
@@ -271,8 +272,7 @@ class BatchConsumer(driver.Consumer):
         read = self._read_offset[tp]
         if read is not None and offset < read:
             return True
-        if read and offset - read > 1 and self.app.topics.acks_enabled_for(message.topic):
-            await self._add_gap(tp, read + 1, offset)  # compacted or transactional gaps stay committable
+        await self._add_gaps(tp, message.topic, read, (offset,))
         if self._epoch() != epoch:
             return False
         await callback(message)  # waits only while Faust's flow is suspended (a rebalance) or a queue is full
@@ -281,6 +281,16 @@ class BatchConsumer(driver.Consumer):
         self._read_offset[tp] = offset
         return True
 
+    async def _add_gaps(self, tp: Any, topic: str, read: Optional[int], offsets: Any) -> None:
+        """Offsets skipped before each of `offsets` (from the read offset on: compacted or transactional gaps)
+        stay committable."""
+        if not self.app.topics.acks_enabled_for(topic):
+            return
+        previous = read
+        for offset in offsets:
+            if previous and offset - previous > 1:
+                await self._add_gap(tp, previous + 1, offset)
+            previous = offset
 
     async def _commit_if_due(self, epoch: tuple[int, int]) -> bool:
         if self._commit_every is not None and self._n_acked >= self._commit_every:
@@ -307,13 +317,9 @@ class BatchConsumer(driver.Consumer):
             records = [r for r in records if r.offset >= read]
             if not records:
                 return True
-        if self.app.topics.acks_enabled_for(records[0].topic):
-            previous = read
-            if previous or records[-1].offset - records[0].offset != len(records) - 1:
-                for record in records:
-                    if previous and record.offset - previous > 1:
-                        await self._add_gap(tp, previous + 1, record.offset)
-                    previous = record.offset
+        consecutive = records[-1].offset - records[0].offset == len(records) - 1
+        await self._add_gaps(tp, records[0].topic, read,
+                             (records[0].offset,) if consecutive else [r.offset for r in records])
         budget = self._budget(channel)
         while budget.pending >= budget.limit:
             budget.recount(channel.queue)
