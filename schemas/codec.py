@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 from fastavro import schemaless_reader, schemaless_writer
 
+from schemas import avrobin
 from schemas import records as r
 from schemas.errors import DecodeError, EncodeError
 from schemas.registry import SchemaEntry, load_registry
@@ -66,6 +67,19 @@ def to_avro(obj: Any) -> dict[str, Any]:
     return out
 
 
+# The nested records that to_avro gives fastavro as dicts and READERS builds back: the C path takes and gives
+# these classes (and the top-level one), every other nested record as a dict, as fastavro does.
+NESTED: dict[type, tuple[type, ...]] = {r.RolloutEvent: (*r.BODY_TYPES, r.ClaimCheck),
+                                        r.Trajectory: (r.TrajectoryTurn, r.SourcePosition)}
+TUPLE_ARRAYS = (r.Trajectory, r.BatchManifest, r.CheckpointPublished)  # whose arrays READERS makes tuples
+
+
+def program(cls: type, entry: SchemaEntry) -> avrobin.Program:
+    """The C reader/writer's program of a top-level record, giving what the fastavro path gives."""
+    classes = {c.SCHEMA: c for c in (cls, *NESTED.get(cls, ()))}  # type: ignore[attr-defined]
+    return avrobin.compile_schema(entry.expanded, classes, tuple_arrays=cls in TUPLE_ARRAYS)
+
+
 def from_avro(cls: type[T], fields: dict[str, Any]) -> T:
     for name, convert in READERS.get(cls, ()):
         fields[name] = convert(fields[name])
@@ -77,6 +91,8 @@ class Codec:
 
     def __init__(self) -> None:
         self.current, self.by_fingerprint = load_registry()
+        self.programs: dict[type, avrobin.Program] = {cls: program(cls, self.current[cls.SCHEMA])  # type: ignore[attr-defined]
+                                                      for cls in r.TOP_LEVEL}
 
     def entry(self, cls: type) -> SchemaEntry:
         return self.current[cls.SCHEMA]  # type: ignore[attr-defined]
@@ -88,6 +104,11 @@ class Codec:
         entry = self.current.get(getattr(record, "SCHEMA", ""))
         if entry is None or type(record) not in r.TOP_LEVEL:
             raise EncodeError(f"{type(record).__name__} is not a top-level record of the pipeline")
+        fast = avrobin.write(self.programs[type(record)], record, MAGIC + entry.fingerprint)
+        return fast if fast is not None else self.encode_with_fastavro(record, entry)
+
+    def encode_with_fastavro(self, record: Any, entry: SchemaEntry) -> bytes:
+        """The encoding without the C writer: what it must equal, and what says why a record does not fit."""
         buf = io.BytesIO()
         buf.write(MAGIC + entry.fingerprint)
         try:
@@ -116,6 +137,14 @@ class Codec:
         cls = CLASSES[writer.name]
         if expect is not None and cls is not expect:
             raise DecodeError("schema_mismatch", f"expected {expect.__name__}, found {cls.__name__}", "header")
+        if writer is reader:  # the current schema: the C reader, when it reads the whole body
+            found = avrobin.read(self.programs[cls], data, HEADER_LEN)
+            if found is not None and found[1] == len(data):
+                return found[0]
+        return self.decode_with_fastavro(data, writer, reader, cls)
+
+    def decode_with_fastavro(self, data: bytes, writer: SchemaEntry, reader: SchemaEntry, cls: type) -> Any:
+        """The record without the C reader: any schema version, and the DecodeError for bad bytes."""
         buf = io.BytesIO(data)
         buf.seek(HEADER_LEN)
         try:

@@ -1,4 +1,5 @@
-"""Hot-path reads of the codec's records: the same records as `schemas.codec`, cheaper.
+"""Hot-path reads of the codec's records: the same records as `schemas.codec`, cheaper (the C reader of
+`schemas.avrobin` where it is built and the bytes are well-formed, fastavro's reader otherwise).
 
     event = decode_event(data)             # a RolloutEvent, as codec.decode gives it
     head = read_summary(data)              # what grouping needs of a Trajectory, without its turns
@@ -14,6 +15,7 @@ from typing import Any, Optional
 from fastavro import parse_schema
 from fastavro._read import schemaless_reader
 
+from schemas import avrobin
 from schemas.codec import CLASSES, HEADER_LEN, MAGIC, codec
 from schemas.errors import DecodeError
 from schemas.records import ClaimCheck, PolicyTurn, RolloutEvent, Trajectory
@@ -34,6 +36,14 @@ def decode_event(data: bytes) -> RolloutEvent:
     bad bytes included, goes through the codec, which names the error."""
     if data[:HEADER_LEN] != _EVENT_HEADER:
         return codec.decode(data, expect=RolloutEvent)  # type: ignore[no-any-return]
+    found = avrobin.read(codec.programs[RolloutEvent], data, HEADER_LEN)
+    if found is not None and found[1] == len(data):
+        return found[0]  # type: ignore[no-any-return]
+    return decode_event_with_fastavro(data)
+
+
+def decode_event_with_fastavro(data: bytes) -> RolloutEvent:
+    """decode_event without the C reader: what it must equal, and the codec's DecodeError for bad bytes."""
     buf = io.BytesIO(data)
     buf.seek(HEADER_LEN)
     try:
@@ -105,11 +115,31 @@ def _split_schemas() -> tuple[Any, Any, Any, Any]:
 _HEAD_WRITER, _HEAD_READER, _TAIL_WRITER, _TAIL_READER = _split_schemas()
 
 
+def _summary_programs() -> tuple[avrobin.Program, avrobin.Program]:
+    """The C reader's programs of the Head and Tail parts: the summary's fields read, the rest skipped."""
+    schema = _TRAJECTORY.expanded
+    at = [f["name"] for f in schema["fields"]].index(SCORE_FIELDS[0])
+    return (avrobin.compile_schema({**schema, "fields": schema["fields"][:at]}, {}, keep=frozenset(HEAD_FIELDS)),
+            avrobin.compile_schema({**schema, "fields": schema["fields"][at:]}, {}, keep=frozenset(TAIL_FIELDS)))
+
+
+_HEAD_PROGRAM, _TAIL_PROGRAM = _summary_programs()
+
+
 def read_summary(data: bytes) -> Summary:
     """The summary of a Trajectory written with the current schema; DecodeError if it is not one."""
     if data[:HEADER_LEN] != _TRAJECTORY_HEADER:
         codec.decode(data, expect=Trajectory)  # raises for bad bytes
         raise DecodeError("unknown_schema", "a Trajectory of an earlier schema version; re-encode it first")
+    head = avrobin.read(_HEAD_PROGRAM, data, HEADER_LEN)
+    tail = avrobin.read(_TAIL_PROGRAM, data, head[1]) if head is not None else None
+    if head is not None and tail is not None and tail[1] == len(data):
+        return Summary(advantage_at=head[1], **head[0], **tail[0])
+    return summary_with_fastavro(data)
+
+
+def summary_with_fastavro(data: bytes) -> Summary:
+    """read_summary without the C reader, for a current-schema Trajectory's bytes."""
     buf = io.BytesIO(data)
     buf.seek(HEADER_LEN)
     try:
