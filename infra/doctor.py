@@ -5,7 +5,8 @@
 Python 3.11+ runs everything; bubblewrap isolates model-written code (without it, code tasks refuse to
 start); Java 17+ runs Kafka and Maven fetches its jars; Go 1.24+ builds MinIO (Debian's golang package
 is too old: use the release from go.dev). It also says how much disk is free where Kafka and MinIO keep their
-data: a warning under 10 GB, which does not fail it.
+data (a warning under 10 GB), and whether the C reader/writer of Avro bodies was built with the package (a warning
+without it: the codec then takes fastavro's slower path). Warnings do not fail it.
 """
 from __future__ import annotations
 
@@ -83,11 +84,21 @@ def disk(path: Path, wanted_gb: float = DISK_WANTED_GB) -> tuple[bool, str]:
                    "`python -m infra delete-namespace NS` removes one")
 
 
+def compiled_codec() -> tuple[bool, str]:
+    """Whether schemas/_avrobin.c was compiled when the package was installed (it needs gcc and Python's headers)."""
+    from schemas import avrobin
+    if avrobin.AVAILABLE:
+        return True, "ok      the C reader/writer of Avro bodies (schemas/_avrobin.c)"
+    return False, ("SLOW    the C reader/writer of Avro bodies was not built: the codec takes fastavro's path "
+                   "(the streams worker's stages cost about a third more CPU). Install: apt-get install -y gcc "
+                   "python3-dev && pip install -e .")
+
+
 def main() -> int:
     results = [(True, f"ok      python {sys.version.split()[0]}")] if sys.version_info >= (3, 11) else \
         [(False, f"OLD     python {sys.version.split()[0]}: 3.11+ is needed")]
     results += [check(item) for item in CHECKS]
-    for _, line in [*results, disk(state_dir())]:  # low disk warns, it does not fail
+    for _, line in [*results, disk(state_dir()), compiled_codec()]:  # these two warn, they do not fail
         print(line)
     missing = sum(not ok for ok, _ in results)
     if missing:

@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fastavro import parse_schema, schemaless_reader, schemaless_writer  # noqa: E402
 
-from schemas import codec  # noqa: E402
+from schemas import avrobin  # noqa: E402
+from schemas.codec import codec  # noqa: E402
 from schemas.examples import example_events  # noqa: E402
 from schemas.packing import pack_floats, pack_ids, unpack_floats, unpack_ids  # noqa: E402
 from schemas.records import PolicyTurn, RolloutEvent  # noqa: E402
@@ -79,8 +80,12 @@ def bench_formats(n: int) -> list[Figure]:
     arr_bytes = arr_encode()
     ours = codec.encode(ev)
     js = as_json(ev)
+    entry = codec.current[RolloutEvent.SCHEMA]
     rows = [
         ("codec (packed bytes)", len(ours), rate(lambda: codec.encode(ev), n), rate(lambda: codec.decode(ours), n)),
+        ("codec, fastavro path", len(codec.encode_with_fastavro(ev, entry)),  # what runs without the C module
+         rate(lambda: codec.encode_with_fastavro(ev, entry), n),
+         rate(lambda: codec.decode_with_fastavro(ours, entry, entry, RolloutEvent), n)),
         ("avro arrays", len(arr_bytes), rate(arr_encode, n),
          rate(lambda: schemaless_reader(io.BytesIO(arr_bytes), schema, return_record_name=True), n)),
         ("json", len(js), rate(lambda: as_json(ev), n), rate(lambda: json.loads(js), n)),
@@ -89,12 +94,19 @@ def bench_formats(n: int) -> list[Figure]:
     print(f"{'format':<22}{'bytes/record':>14}{'encode rec/s':>16}{'decode rec/s':>16}")
     for name, size, enc, dec in rows:
         print(f"{name:<22}{size:>14}{enc:>16,.0f}{dec:>16,.0f}")
-    print(f"codec vs avro arrays: encode x{rows[0][2] / rows[1][2]:.1f}, decode x{rows[0][3] / rows[1][3]:.1f}, "
-          f"bytes x{rows[0][1] / rows[1][1]:.2f} (fixed 4-byte ids vs varints)")
-    return [Figure("bytes per event, packed codec", rows[0][1], "B", rows[0][1] / rows[1][1], "Avro arrays"),
-            Figure("encodes/s, packed codec", rows[0][2], "/s", rows[0][2] / rows[1][2], "Avro arrays"),
-            Figure("decodes/s, packed codec", rows[0][3], "/s", rows[0][3] / rows[1][3], "Avro arrays"),
-            Figure("decodes/s, JSON", rows[2][3], "/s", rows[2][3] / rows[1][3], "Avro arrays")]
+    codec_row, fastavro_row, arrays, json_row = rows
+    print(f"codec vs avro arrays: encode x{codec_row[2] / arrays[2]:.1f}, decode x{codec_row[3] / arrays[3]:.1f}, "
+          f"bytes x{codec_row[1] / arrays[1]:.2f} (fixed 4-byte ids vs varints)")
+    print(f"codec's C reader/writer (schemas/_avrobin.c{'' if avrobin.AVAILABLE else ', NOT BUILT'}) vs its fastavro "
+          f"path: encode x{codec_row[2] / fastavro_row[2]:.1f}, decode x{codec_row[3] / fastavro_row[3]:.1f}")
+    return [Figure("bytes per event, packed codec", codec_row[1], "B", codec_row[1] / arrays[1], "Avro arrays"),
+            Figure("encodes/s, packed codec", codec_row[2], "/s", codec_row[2] / arrays[2], "Avro arrays"),
+            Figure("decodes/s, packed codec", codec_row[3], "/s", codec_row[3] / arrays[3], "Avro arrays"),
+            Figure("encodes/s, codec's C writer", codec_row[2], "/s", codec_row[2] / fastavro_row[2],
+                   "the codec's fastavro path"),
+            Figure("decodes/s, codec's C reader", codec_row[3], "/s", codec_row[3] / fastavro_row[3],
+                   "the codec's fastavro path"),
+            Figure("decodes/s, JSON", json_row[3], "/s", json_row[3] / arrays[3], "Avro arrays")]
 
 
 def through_broker(settings: Any, topic: str, n: int) -> tuple[float, float, int]:

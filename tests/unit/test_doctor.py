@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -45,3 +47,13 @@ def test_this_machine_has_everything() -> None:
     done = subprocess.run([sys.executable, "-m", "infra", "doctor"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stdout
+
+
+def test_the_compiled_codec_is_reported_and_its_absence_only_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    from infra import doctor
+    from schemas import avrobin
+
+    assert doctor.compiled_codec() == (True, "ok      the C reader/writer of Avro bodies (schemas/_avrobin.c)")
+    monkeypatch.setattr(avrobin, "AVAILABLE", False)  # as after an install without a C compiler
+    ok, line = doctor.compiled_codec()
+    assert not ok and line.startswith("SLOW    ") and "apt-get install -y gcc python3-dev" in line
