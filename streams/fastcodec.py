@@ -88,42 +88,34 @@ class Summary:
     advantage_at: int
 
 
-def _split_schemas() -> tuple[Any, Any, Any, Any]:
-    """Writer and reader schemas of the fields before advantage (Head) and from it on (Tail).
+def _split_fields() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The Trajectory's fields before advantage (Head) and from it on (Tail).
 
-    An Avro record is its fields' encodings back to back, so a Trajectory read with the Head schema stops
-    exactly where advantage starts; fields the reader leaves out (turns, prompt, task_spec) are skipped in
-    C, never built. advantage, group_reward_mean and group_reward_std are consecutive doubles (8 bytes
-    each), so the scored record is the trajectory with those 24 bytes replaced.
+    An Avro record is its fields' encodings back to back, so a Trajectory read as Head stops exactly where
+    advantage starts; the fields left out of the summary (turns, prompt, task_spec) are skipped, never built.
+    advantage, group_reward_mean and group_reward_std are consecutive doubles (8 bytes each), so the scored
+    record is the trajectory with those 24 bytes replaced.
     """
     fields = _TRAJECTORY.expanded["fields"]
     names = [f["name"] for f in fields]
     at = names.index(SCORE_FIELDS[0])
     assert tuple(names[at:at + 3]) == SCORE_FIELDS and all(f["type"] == "double" for f in fields[at:at + 3]), \
         "advantage, group_reward_mean, group_reward_std must be consecutive doubles"
-
-    def record(name: str, part: list[dict[str, Any]], keep: Optional[tuple[str, ...]] = None) -> Any:
-        chosen = [f for f in part if keep is None or f["name"] in keep]
-        return parse_schema({"type": "record", "name": name, "namespace": "trajpipe.fastcodec",
-                             "fields": chosen})
-
-    head, tail = fields[:at], fields[at:]
-    return (record("Head", head), record("Head", head, HEAD_FIELDS),
-            record("Tail", tail), record("Tail", tail, TAIL_FIELDS))
+    return fields[:at], fields[at:]
 
 
-_HEAD_WRITER, _HEAD_READER, _TAIL_WRITER, _TAIL_READER = _split_schemas()
+def _part(name: str, fields: list[dict[str, Any]], keep: Optional[tuple[str, ...]] = None) -> Any:
+    """fastavro's schema of a part: its writer schema, or with `keep` a reader schema of those fields."""
+    chosen = [f for f in fields if keep is None or f["name"] in keep]
+    return parse_schema({"type": "record", "name": name, "namespace": "trajpipe.fastcodec", "fields": chosen})
 
 
-def _summary_programs() -> tuple[avrobin.Program, avrobin.Program]:
-    """The C reader's programs of the Head and Tail parts: the summary's fields read, the rest skipped."""
-    schema = _TRAJECTORY.expanded
-    at = [f["name"] for f in schema["fields"]].index(SCORE_FIELDS[0])
-    return (avrobin.compile_schema({**schema, "fields": schema["fields"][:at]}, {}, keep=frozenset(HEAD_FIELDS)),
-            avrobin.compile_schema({**schema, "fields": schema["fields"][at:]}, {}, keep=frozenset(TAIL_FIELDS)))
-
-
-_HEAD_PROGRAM, _TAIL_PROGRAM = _summary_programs()
+_HEAD, _TAIL = _split_fields()
+_HEAD_WRITER, _HEAD_READER = _part("Head", _HEAD), _part("Head", _HEAD, HEAD_FIELDS)
+_TAIL_WRITER, _TAIL_READER = _part("Tail", _TAIL), _part("Tail", _TAIL, TAIL_FIELDS)
+# The C reader's programs of the same parts: the summary's fields read, the rest skipped.
+_HEAD_PROGRAM = avrobin.compile_schema({**_TRAJECTORY.expanded, "fields": _HEAD}, {}, keep=frozenset(HEAD_FIELDS))
+_TAIL_PROGRAM = avrobin.compile_schema({**_TRAJECTORY.expanded, "fields": _TAIL}, {}, keep=frozenset(TAIL_FIELDS))
 
 
 def read_summary(data: bytes) -> Summary:
